@@ -1,0 +1,1 @@
+"""Kubelet device plugin for `aliyun.com/gpu-mem`, compatible with Alibaba gpushare."""
