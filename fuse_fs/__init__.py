@@ -1,0 +1,1 @@
+"""cgpu-fuse: the control tree served with FUSE."""
