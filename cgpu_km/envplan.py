@@ -1,0 +1,305 @@
+"""Turn a container's environment into its GPU allocation (pure).
+
+Implements the "Environment variables" section of ../shared/DESIGN.md: the
+cGPU and eGPU switches, visible devices, the three memory formulas with the
+eGPU reserve, the list rules, and the compute variables. `resolve_plan` either
+returns a `Plan` or raises `PlanError` whose message is one line naming the
+variable and the reason. Nothing here does I/O.
+
+Choices where DESIGN.md is silent (also documented in README.md):
+- Visible devices: when both variables are unset or empty the container gets
+  every GPU of the host; `none` and `void` (the NVIDIA runtime's words for
+  "no GPU") give it no GPU, so nothing is registered (`enabled` is false).
+- `GPU_MEM_PER_DEVICE`, when set, takes precedence over
+  `ALIYUN_COM_GPU_MEM_CONTAINER`; both follow the list rule.
+- eGPU with no memory variable: the whole device minus the reserve.
+- Any variable set to the empty string counts as unset.
+- `ALIYUN_COM_GPU_MEM_RESERVED`, `AMP_USE_HOST_DAEMON` and
+  `ALIYUN_COM_GPU_OOM_SCRIPT` are read in eGPU mode only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from cgpu_km.gpus import GpuInfo
+
+MIB = 1 << 20
+GIB = 1 << 30
+DEFAULT_RESERVED_MIB = 10
+DEFAULT_MAX_INST = 16
+UTIL_LIMIT_MAX = 95
+
+MEM_CONTAINER = "ALIYUN_COM_GPU_MEM_CONTAINER"
+MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"
+MEM_PER_DEVICE = "GPU_MEM_PER_DEVICE"
+MEM_RESERVED = "ALIYUN_COM_GPU_MEM_RESERVED"
+CGPU_DISABLE = "CGPU_DISABLE"
+EGPU_ENABLE = "AMP_VGPU_ENABLE"
+EGPU_HOST_DAEMON = "AMP_USE_HOST_DAEMON"
+VISIBLE_ALIYUN = "ALIYUN_COM_GPU_VISIBLE_DEVICES"
+VISIBLE_NVIDIA = "NVIDIA_VISIBLE_DEVICES"
+WEIGHT = "ALIYUN_COM_GPU_SCHD_WEIGHT"
+HIGH_PRIO = "ALIYUN_COM_GPU_HIGH_PRIO"
+UTIL_PER_DEVICE = "GPU_UTIL_PER_DEVICE"
+OOM_SCRIPT = "ALIYUN_COM_GPU_OOM_SCRIPT"
+
+Mode = Literal["cgpu", "egpu"]
+
+_UNSIGNED = re.compile(r"[0-9]+", re.ASCII)
+_SIGNED = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_NO_GPU_WORDS = frozenset({"none", "void"})
+
+
+class PlanError(ValueError):
+    """A bad environment value; `str(error)` is the one-line message."""
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """What one of the container's GPUs gets (`index` is the host's index)."""
+
+    index: int
+    uuid: str
+    name: str
+    memsize: int
+    weight: int
+    highprio: int
+    util_limit: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved allocation; `enabled` false means: leave the container alone."""
+
+    enabled: bool
+    mode: Mode | None
+    gpus: list[GpuPlan] = field(default_factory=list)
+    oom_script: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "enabled": self.enabled,
+            "mode": self.mode,
+            "gpus": [asdict(gpu) for gpu in self.gpus],
+            "oom_script": self.oom_script,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=False)
+
+
+DISABLED = Plan(enabled=False, mode=None)
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    """The stripped value, or None when unset or empty."""
+    value = env.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def _show(text: str) -> str:
+    """A value quoted for an error message, kept on one line and short."""
+    shown = repr(text)
+    return shown if len(shown) <= 60 else shown[:57] + "...'"
+
+
+def parse_uint(name: str, text: str) -> int:
+    """A non-negative decimal integer, or PlanError naming `name`."""
+    text = text.strip()
+    if _UNSIGNED.fullmatch(text):
+        return int(text)
+    if _SIGNED.fullmatch(text) and text.startswith("-"):
+        raise PlanError(f"{name}: {_show(text)} is negative")
+    raise PlanError(f"{name}: {_show(text)} is not a whole number")
+
+
+def parse_uint_list(name: str, text: str) -> list[int]:
+    """A comma list of non-negative integers, or PlanError."""
+    items = text.split(",")
+    if any(not item.strip() for item in items):
+        raise PlanError(f"{name}: {_show(text)} has an empty element")
+    return [parse_uint(name, item) for item in items]
+
+
+def list_element(values: Sequence[int], k: int) -> int:
+    """Element k, or the last one when the list is shorter."""
+    return values[min(k, len(values) - 1)]
+
+
+def _is_zero(text: str) -> bool:
+    text = text.strip()
+    return bool(_UNSIGNED.fullmatch(text)) and int(text) == 0
+
+
+def switch_mode(env: Mapping[str, str]) -> Mode | None:
+    """Which switch is on: 'egpu', 'cgpu' or None (leave the container alone)."""
+    egpu = _get(env, EGPU_ENABLE)
+    if egpu is not None:
+        if egpu == "1":
+            return "egpu"
+        if egpu != "0":
+            raise PlanError(f"{EGPU_ENABLE}: {_show(egpu)} is not 0 or 1")
+    mem = _get(env, MEM_CONTAINER)
+    if mem is None or any(_is_zero(item) for item in mem.split(",")):
+        return None
+    disable = _get(env, CGPU_DISABLE)
+    if disable is not None and disable.lower() in ("true", "1"):
+        return None
+    return "cgpu"
+
+
+def visible_gpus(env: Mapping[str, str], gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+    """The container's GPUs in its own order (its GPU k is element k)."""
+    name = VISIBLE_ALIYUN
+    text = _get(env, VISIBLE_ALIYUN)
+    if text is None:
+        name, text = VISIBLE_NVIDIA, _get(env, VISIBLE_NVIDIA)
+    if text is None or text.lower() == "all":
+        return list(gpus)
+    if text.lower() in _NO_GPU_WORDS:
+        return []
+    by_index = {gpu.index: gpu for gpu in gpus}
+    by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
+    chosen: list[GpuInfo] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            raise PlanError(f"{name}: {_show(text)} has an empty element")
+        if _UNSIGNED.fullmatch(item):
+            gpu = by_index.get(int(item))
+            what = "index"
+        else:
+            gpu = by_uuid.get(item.lower())
+            what = "UUID"
+        if gpu is None:
+            raise PlanError(f"{name}: no GPU with {what} {_show(item)} on this host "
+                            f"({len(gpus)} GPU(s))")
+        if gpu in chosen:
+            raise PlanError(f"{name}: GPU {gpu.index} is listed twice")
+        chosen.append(gpu)
+    return chosen
+
+
+def _reserve(env: Mapping[str, str], mode: Mode) -> int:
+    if mode != "egpu":
+        return 0
+    text = _get(env, MEM_RESERVED)
+    mib = DEFAULT_RESERVED_MIB if text is None else parse_uint(MEM_RESERVED, text)
+    return mib * MIB
+
+
+def _memsizes(env: Mapping[str, str], mode: Mode, gpus: Sequence[GpuInfo]) -> list[int]:
+    """Bytes for each of the container's GPUs, checked against the device."""
+    reserve = _reserve(env, mode)
+    per_device = _get(env, MEM_PER_DEVICE)
+    container = _get(env, MEM_CONTAINER)
+    sizes: list[int]
+    if per_device is not None:
+        source = MEM_PER_DEVICE
+        values = parse_uint_list(MEM_PER_DEVICE, per_device)
+        sizes = [list_element(values, k) - reserve for k in range(len(gpus))]
+    elif container is not None:
+        source = MEM_CONTAINER
+        values = parse_uint_list(MEM_CONTAINER, container)
+        dev_text = _get(env, MEM_DEV)
+        dev = None if dev_text is None else parse_uint(MEM_DEV, dev_text)
+        if dev == 0:
+            raise PlanError(f"{MEM_DEV}: must be above 0")
+        sizes = []
+        for k, gpu in enumerate(gpus):
+            denominator = dev if dev is not None else -(-gpu.memory_total // GIB)
+            if denominator <= 0:
+                raise PlanError(f"{MEM_CONTAINER}: GPU {gpu.index} reports no memory")
+            share = gpu.memory_total * list_element(values, k) // denominator
+            sizes.append(share - reserve)
+    else:
+        # Only eGPU gets here (the cGPU switch needs MEM_CONTAINER).
+        source = MEM_RESERVED
+        sizes = [gpu.memory_total - reserve for gpu in gpus]
+    after = f" after the {reserve // MIB} MiB reserve" if reserve else ""
+    for gpu, size in zip(gpus, sizes, strict=True):
+        if size <= 0:
+            raise PlanError(f"{source}: gives {size} bytes{after} on GPU {gpu.index}, "
+                            "which is not above 0")
+        if size > gpu.memory_total:
+            raise PlanError(f"{source}: gives {size} bytes on GPU {gpu.index}, above its "
+                            f"{gpu.memory_total} bytes")
+    return sizes
+
+
+def _max_inst_of(max_inst: int | Mapping[int, int], index: int) -> int:
+    if isinstance(max_inst, int):
+        return max_inst
+    return max_inst.get(index, DEFAULT_MAX_INST)
+
+
+def _weight(env: Mapping[str, str], gpu: GpuInfo, max_inst: int | Mapping[int, int]) -> int:
+    text = _get(env, WEIGHT)
+    if text is None:
+        return 1
+    weight = parse_uint(WEIGHT, text)
+    limit = _max_inst_of(max_inst, gpu.index)
+    if not 1 <= weight <= limit:
+        raise PlanError(f"{WEIGHT}: {weight} is outside 1..{limit} (max_inst of GPU "
+                        f"{gpu.index})")
+    return weight
+
+
+def _flag(env: Mapping[str, str], name: str) -> int:
+    text = _get(env, name)
+    if text is None:
+        return 0
+    if text not in ("0", "1"):
+        raise PlanError(f"{name}: {_show(text)} is not 0 or 1")
+    return int(text)
+
+
+def _util_limit(env: Mapping[str, str]) -> int:
+    text = _get(env, UTIL_PER_DEVICE)
+    if text is None:
+        return 0
+    percent = parse_uint(UTIL_PER_DEVICE, text)
+    return percent if percent <= UTIL_LIMIT_MAX else 0
+
+
+def _oom_script(env: Mapping[str, str], mode: Mode) -> str | None:
+    if mode != "egpu":
+        return None
+    return _get(env, OOM_SCRIPT)
+
+
+def resolve_plan(
+    env: Mapping[str, str],
+    gpus: Sequence[GpuInfo],
+    max_inst: int | Mapping[int, int] = DEFAULT_MAX_INST,
+) -> Plan:
+    """The container's allocation on the host `gpus`, or PlanError.
+
+    `max_inst` bounds the weight: one value for every GPU, or per GPU index.
+    """
+    mode = switch_mode(env)
+    if mode is None:
+        return DISABLED
+    if mode == "egpu":
+        _flag(env, EGPU_HOST_DAEMON)  # accepted; the host daemon is always used
+    chosen = visible_gpus(env, gpus)
+    if not chosen:
+        return DISABLED
+    sizes = _memsizes(env, mode, chosen)
+    highprio = _flag(env, HIGH_PRIO)
+    util_limit = _util_limit(env)
+    planned = [
+        GpuPlan(index=gpu.index, uuid=gpu.uuid, name=gpu.name, memsize=size,
+                weight=_weight(env, gpu, max_inst), highprio=highprio,
+                util_limit=util_limit)
+        for gpu, size in zip(chosen, sizes, strict=True)
+    ]
+    return Plan(enabled=True, mode=mode, gpus=planned, oom_script=_oom_script(env, mode))
