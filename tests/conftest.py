@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,11 +35,12 @@ class MountedTree:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.log = root.parent / f"{root.name}.log"
-        self.process = subprocess.Popen(
-            [str(VENV_BIN / "cgpu-fuse"), "--root", str(root), "--gpus", str(gpus), *extra],
-            stdout=self.log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                [str(VENV_BIN / "cgpu-fuse"), "--root", str(root), "--gpus", str(gpus), *extra],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 15
         while not os.path.ismount(root):
             if self.process.poll() is not None:
@@ -59,22 +62,24 @@ class MountedTree:
 
 
 @pytest.fixture
-def mounted_tree(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MountedTree]:
-    """A mounted tree; `indirect` parameter: GPU count (default 2)."""
-    gpus = getattr(request, "param", 2)
-    tree = MountedTree(tmp_path / "cgpu_km", gpus)
+def mounted_tree(request: pytest.FixtureRequest) -> Iterator[MountedTree]:
+    """A mounted tree; `indirect` parameter: GPU count (default 2).
+
+    It lives in a world-traversable folder (pytest's own is 0700) so that
+    tests can read it as a non-root user.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="cgpu-tree-"))
+    folder.chmod(0o755)
+    tree = MountedTree(folder / "cgpu_km", getattr(request, "param", 2))
     try:
         yield tree
     finally:
         tree.stop()
+        if not os.path.ismount(tree.root):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
-def control_tree(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
-    """The root of a mounted tree; `indirect` parameter: GPU count (default 2)."""
-    gpus = getattr(request, "param", 2)
-    tree = MountedTree(tmp_path / "cgpu_km", gpus)
-    try:
-        yield tree.root
-    finally:
-        tree.stop()
+def control_tree(mounted_tree: MountedTree) -> Path:
+    """The root of a mounted tree; parametrize with `indirect=True`: GPU count (default 2)."""
+    return mounted_tree.root
