@@ -61,6 +61,14 @@ class MountedTree:
             return None
 
 
+def _gpu_count(request: pytest.FixtureRequest) -> int:
+    """The indirect parameter given to mounted_tree or to control_tree (default 2)."""
+    if hasattr(request, "param"):
+        return int(request.param)
+    callspec = getattr(request.node, "callspec", None)
+    return int(callspec.params.get("control_tree", 2)) if callspec else 2
+
+
 @pytest.fixture
 def mounted_tree(request: pytest.FixtureRequest) -> Iterator[MountedTree]:
     """A mounted tree; `indirect` parameter: GPU count (default 2).
@@ -70,7 +78,7 @@ def mounted_tree(request: pytest.FixtureRequest) -> Iterator[MountedTree]:
     """
     folder = Path(tempfile.mkdtemp(prefix="cgpu-tree-"))
     folder.chmod(0o755)
-    tree = MountedTree(folder / "cgpu_km", getattr(request, "param", 2))
+    tree = MountedTree(folder / "cgpu_km", _gpu_count(request))
     try:
         yield tree
     finally:

@@ -1,0 +1,316 @@
+"""`cgpu-hook`: the OCI hook that registers containers in the control tree.
+
+    cgpu-hook [--root DIR] plan [--env KEY=VALUE ...]   print the plan as JSON
+    cgpu-hook [--root DIR] prestart                     OCI state on stdin
+    cgpu-hook [--root DIR] poststop                     OCI state on stdin
+
+`prestart` resolves the container's environment (its bundle's config.json)
+into a plan (cgpu_km.envplan) and runs PRESTART_STEPS in order; each step
+records how to undo what it did, and when a step fails everything done so
+far is undone, so a failed start leaves nothing behind. `poststop` runs
+POSTSTOP_STEPS, each idempotent. Errors are one line on stderr; a bad
+environment value exits 2, any other failure 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from cgpu_km import treefs
+from cgpu_km.envplan import DEFAULT_MAX_INST, DISABLED, Plan, PlanError, resolve_plan, switch_mode
+from cgpu_km.gpus import GpuError, discover_gpus
+
+PROG = "cgpu-hook"
+ID_LENGTH = 12
+EXIT_FAILED = 1
+EXIT_BAD_VALUE = 2
+
+_ERRNO_MEANING = {
+    errno.EEXIST: "a container with this id is already registered there",
+    errno.ENODEV: "the control tree has no such GPU",
+    errno.ENOSPC: "max_inst containers are already on that GPU",
+    errno.EINVAL: "the control tree refused the command",
+    errno.EACCES: "permission denied (the hook must run as root)",
+    errno.EPERM: "permission denied (the hook must run as root)",
+}
+
+
+class HookError(Exception):
+    """A failure with a one-line message for the runtime to show."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Undo:
+    """Actions that reverse completed steps, run newest first."""
+
+    actions: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+
+    def push(self, what: str, action: Callable[[], None]) -> None:
+        self.actions.append((what, action))
+
+    def run(self, stderr: TextIO) -> None:
+        while self.actions:
+            what, action = self.actions.pop()
+            try:
+                action()
+            except Exception as error:
+                print(f"{PROG}: warning: undoing {what} failed: {error}", file=stderr)
+
+
+@dataclass
+class HookContext:
+    """What the steps work from: one container and its plan."""
+
+    root: Path
+    container_id: str
+    bundle: Path
+    env: dict[str, str]
+    plan: Plan = DISABLED
+
+    @property
+    def id12(self) -> str:
+        return self.container_id[:ID_LENGTH]
+
+
+PrestartStep = Callable[[HookContext, Undo], None]
+PoststopStep = Callable[[HookContext], None]
+
+
+def describe_oserror(error: OSError) -> str:
+    code = errno.errorcode.get(error.errno or 0, str(error.errno))
+    meaning = _ERRNO_MEANING.get(error.errno or 0, error.strerror or "failed")
+    return f"{code}: {meaning}"
+
+
+def _inst_ctl(ctx: HookContext, command: str) -> None:
+    treefs.inst_ctl(ctx.root, command)
+
+
+def register_on_gpus(ctx: HookContext, undo: Undo) -> None:
+    """`inst_ctl add` the container on each of its GPUs."""
+    for gpu in ctx.plan.gpus:
+        command = (f"add {gpu.index} {ctx.id12} memsize={gpu.memsize} weight={gpu.weight} "
+                   f"highprio={gpu.highprio} util_limit={gpu.util_limit}")
+        try:
+            _inst_ctl(ctx, command)
+        except OSError as error:
+            raise HookError(f"registering container {ctx.id12} on GPU {gpu.index} failed: "
+                            f"{describe_oserror(error)}") from None
+        undo.push(f"GPU {gpu.index} registration",
+                  functools.partial(_inst_ctl, ctx, f"del {gpu.index} {ctx.id12}"))
+
+
+def unregister_from_gpus(ctx: HookContext) -> None:
+    """`inst_ctl del <id12>` on every GPU; a container already gone is fine."""
+    try:
+        _inst_ctl(ctx, f"del {ctx.id12}")
+    except OSError as error:
+        if error.errno != errno.ENOENT:
+            raise HookError(f"removing container {ctx.id12} failed: "
+                            f"{describe_oserror(error)}") from None
+
+
+# The data plane adds its steps here (shared-memory region, library injection).
+PRESTART_STEPS: list[PrestartStep] = [register_on_gpus]
+POSTSTOP_STEPS: list[PoststopStep] = [unregister_from_gpus]
+
+
+def run_prestart_steps(ctx: HookContext, steps: Sequence[PrestartStep], stderr: TextIO) -> None:
+    """Run every step, or undo the completed ones and re-raise."""
+    undo = Undo()
+    try:
+        for step in steps:
+            step(ctx, undo)
+    except BaseException:
+        undo.run(stderr)
+        raise
+
+
+# --- inputs -----------------------------------------------------------------
+
+def read_state(stream: TextIO) -> tuple[str, Path]:
+    """(container id, bundle directory) from the OCI state on stdin."""
+    try:
+        state = json.load(stream)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise HookError(f"OCI state on stdin is not JSON: {error}") from None
+    if not isinstance(state, dict):
+        raise HookError("OCI state on stdin is not a JSON object")
+    container_id = state.get("id")
+    bundle = state.get("bundle") or state.get("bundlePath")  # old runtimes: bundlePath
+    if not isinstance(container_id, str) or not container_id:
+        raise HookError("OCI state on stdin has no container id")
+    if not isinstance(bundle, str) or not bundle:
+        raise HookError("OCI state on stdin has no bundle")
+    return container_id, Path(bundle)
+
+
+def env_from_list(pairs: Sequence[Any]) -> dict[str, str]:
+    """`KEY=VALUE` strings as a mapping (the last one wins, as in execve)."""
+    env: dict[str, str] = {}
+    for pair in pairs:
+        if isinstance(pair, str) and "=" in pair:
+            key, value = pair.split("=", 1)
+            env[key] = value
+    return env
+
+
+def container_env(bundle: Path) -> dict[str, str]:
+    """The container process's environment from `<bundle>/config.json`."""
+    path = bundle / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as error:
+        raise HookError(f"cannot read {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise HookError(f"{path} is not JSON: {error}") from None
+    process = config.get("process") if isinstance(config, dict) else None
+    pairs = process.get("env") if isinstance(process, dict) else None
+    return env_from_list(pairs if isinstance(pairs, list) else [])
+
+
+def require_tree(root: Path) -> None:
+    if not (root / "inst_ctl").exists():
+        raise HookError(f"no control tree at {root} (start cgpu-fuse or load cgpu_km.ko, "
+                        "or pass --root / set CGPU_KM_ROOT)")
+
+
+def tree_max_inst(root: Path) -> dict[int, int]:
+    """max_inst of each GPU in the tree (GPUs it cannot read are left out)."""
+    limits: dict[int, int] = {}
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return limits
+    for entry in entries:
+        if entry.name.isdigit():
+            try:
+                limits[int(entry.name)] = treefs.read_int(entry / "max_inst")
+            except (OSError, ValueError):
+                continue
+    return limits
+
+
+def make_plan(env: Mapping[str, str], root: Path | None) -> Plan:
+    """The plan for `env`; NVML is consulted only when a switch is on."""
+    try:
+        if switch_mode(env) is None:
+            return DISABLED
+        gpus = discover_gpus()
+        limits: dict[int, int] | int = DEFAULT_MAX_INST if root is None else tree_max_inst(root)
+        return resolve_plan(env, gpus, limits)
+    except PlanError as error:
+        raise HookError(str(error), EXIT_BAD_VALUE) from None
+    except GpuError as error:
+        raise HookError(str(error)) from None
+
+
+# --- commands ---------------------------------------------------------------
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    env: Mapping[str, str]
+    if args.env is None:
+        env = os.environ
+    else:
+        bad = [pair for pair in args.env if "=" not in pair]
+        if bad:
+            raise HookError(f"--env {bad[0]!r}: expected KEY=VALUE", EXIT_BAD_VALUE)
+        env = env_from_list(args.env)
+    root = treefs.resolve_root(args.root)
+    print(make_plan(env, root if (root / "inst_ctl").exists() else None).to_json())
+    return 0
+
+
+def cmd_prestart(args: argparse.Namespace) -> int:
+    container_id, bundle = read_state(sys.stdin)
+    env = container_env(bundle)
+    try:
+        enabled = switch_mode(env) is not None
+    except PlanError as error:
+        raise HookError(str(error), EXIT_BAD_VALUE) from None
+    if not enabled:
+        return 0
+    root = treefs.resolve_root(args.root)
+    require_tree(root)
+    ctx = HookContext(root=root, container_id=container_id, bundle=bundle, env=env,
+                      plan=make_plan(env, root))
+    if ctx.plan.enabled:
+        run_prestart_steps(ctx, PRESTART_STEPS, sys.stderr)
+    return 0
+
+
+def cmd_poststop(args: argparse.Namespace) -> int:
+    container_id, bundle = read_state(sys.stdin)
+    try:
+        env = container_env(bundle)
+        if switch_mode(env) is None:
+            return 0
+    except (HookError, PlanError):
+        env = {}  # cannot tell: clean up anyway, which is harmless
+    root = treefs.resolve_root(args.root)
+    if not (root / "inst_ctl").exists():
+        return 0  # no tree, so nothing of ours is registered
+    ctx = HookContext(root=root, container_id=container_id, bundle=bundle, env=env)
+    failures: list[str] = []
+    for step in POSTSTOP_STEPS:
+        try:
+            step(ctx)
+        except HookError as error:
+            failures.append(str(error))
+    if failures:
+        raise HookError("; ".join(failures))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", default=argparse.SUPPRESS,
+                        help="control tree (default: $CGPU_KM_ROOT, /proc/cgpu_km, "
+                             "/run/cgpu_km)")
+    parser = argparse.ArgumentParser(prog=PROG, parents=[common],
+                                     description="OCI hook for GPU sharing (cgpu_km)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser("plan", parents=[common],
+                               help="print the plan for this environment as JSON")
+    plan.add_argument("--env", action="append", metavar="KEY=VALUE",
+                      help="resolve these pairs instead of this process's environment")
+    plan.set_defaults(handler=cmd_plan)
+    commands.add_parser("prestart", parents=[common],
+                        help="register the container (OCI state on stdin)"
+                        ).set_defaults(handler=cmd_prestart)
+    commands.add_parser("poststop", parents=[common],
+                        help="remove the container (OCI state on stdin)"
+                        ).set_defaults(handler=cmd_poststop)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not hasattr(args, "root"):
+        args.root = None
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except HookError as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return error.exit_code
+    except Exception as error:
+        print(f"{PROG}: internal error: {type(error).__name__}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
