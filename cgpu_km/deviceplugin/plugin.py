@@ -28,7 +28,8 @@ import grpc
 
 from cgpu_km.deviceplugin import api_pb2, api_pb2_grpc
 from cgpu_km.deviceplugin.allocation import UNIT_BYTES, AllocationError, Inventory
-from cgpu_km.deviceplugin.source import GpuSource
+from cgpu_km.deviceplugin.source import GpuSource, NvmlGpuSource
+from cgpu_km.gpus import GpuError
 
 log = logging.getLogger("cgpu-device-plugin")
 T = TypeVar("T")
@@ -365,9 +366,11 @@ def main(argv: Sequence[str] | None = None, source: GpuSource | None = None) -> 
         )
         return 2
     if source is None:
-        from cgpu_km.deviceplugin.source import NvmlGpuSource
-
-        source = NvmlGpuSource()
+        try:
+            source = NvmlGpuSource()
+        except GpuError as err:
+            print(f"cgpu-device-plugin: {err}", file=sys.stderr)
+            return 1
     if not source.gpus():
         print("cgpu-device-plugin: no GPUs found on this node", file=sys.stderr)
         return 1

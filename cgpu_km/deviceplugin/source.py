@@ -15,7 +15,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import pynvml
+
 from cgpu_km.deviceplugin.allocation import GpuLike
+from cgpu_km.gpus import GpuError, discover_gpus
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,9 @@ class XidWatcher:
 
 
 class NvmlGpuSource:
-    """GPUs from `discover` (cgpu_km.gpus.discover_gpus by default), health from NVML."""
+    """GPUs from `discover` (cgpu_km.gpus.discover_gpus by default), health from NVML.
+
+    Raises cgpu_km.gpus.GpuError when the first discovery fails."""
 
     def __init__(
         self,
@@ -89,19 +94,11 @@ class NvmlGpuSource:
         xid_hold: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if discover is None:
-            from cgpu_km.gpus import discover_gpus
-
-            discover = discover_gpus
-        self._discover = discover
-        self._gpus = list(discover())
+        self._discover: Callable[[], Sequence[GpuLike]] = discover or discover_gpus
+        self._gpus = list(self._discover())
         self._xid_hold = xid_hold
         self._clock = clock
-        if nvml is None:
-            import pynvml
-
-            nvml = pynvml
-        self._xids = XidWatcher([g.uuid for g in self._gpus], nvml)
+        self._xids = XidWatcher([g.uuid for g in self._gpus], nvml or pynvml)
 
     def gpus(self) -> Sequence[GpuLike]:
         return self._gpus
@@ -111,7 +108,7 @@ class NvmlGpuSource:
         self._xids.drain(now)
         try:
             present = {g.uuid for g in self._discover()}
-        except Exception as err:  # NVML gone entirely: every GPU is unhealthy
+        except GpuError as err:  # NVML gone entirely: every GPU is unhealthy
             log.warning("GPU discovery failed: %s", err)
             present = set()
         recent_xid = {uuid for uuid, at in self._xids.last_xid.items() if now - at < self._xid_hold}

@@ -204,3 +204,27 @@ def make_harness(sock_dir: Path) -> Iterator[Callable[..., Harness]]:
 def harness(make_harness: Callable[..., Harness], fake_source: FakeSource) -> Harness:
     """The plugin on four fake T4s in GiB units, registered with a stub kubelet."""
     return make_harness(fake_source)
+
+
+class PluginClient:
+    """What the kubelet does with a registered plugin: dial its socket, watch its devices."""
+
+    connect = staticmethod(plugin_channel)
+
+    @staticmethod
+    def watch(stub: api_pb2_grpc.DevicePluginStub) -> StreamReader:
+        return StreamReader(stub.ListAndWatch(api_pb2.Empty()))
+
+
+@pytest.fixture
+def plugin_client() -> PluginClient:
+    return PluginClient()
+
+
+@pytest.fixture
+def stub_kubelet(sock_dir: Path) -> Iterator[StubKubelet]:
+    """A started stub kubelet whose socket is `<sock_dir>/kubelet.sock`."""
+    kubelet = StubKubelet(sock_dir)
+    kubelet.start()
+    yield kubelet
+    kubelet.stop()

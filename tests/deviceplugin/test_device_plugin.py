@@ -12,7 +12,7 @@ import pytest
 
 from cgpu_km.deviceplugin import api_pb2
 from cgpu_km.deviceplugin.allocation import MIB
-from cgpu_km.deviceplugin.plugin import KUBELET_MAX_MESSAGE, Config, DevicePlugin
+from cgpu_km.deviceplugin.plugin import KUBELET_MAX_MESSAGE, Config, DevicePlugin, main
 
 if TYPE_CHECKING:
     from conftest import FakeSource, Harness
@@ -190,3 +190,39 @@ def test_device_list_larger_than_the_kubelet_accepts_is_refused(
     with pytest.raises(ValueError, match=r"use a larger --memory-unit") as err:
         DevicePlugin(make_source(8), config)  # 8 x 15109 one-MiB devices
     assert str(KUBELET_MAX_MESSAGE) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--memory-unit", "KiB"], "invalid choice: 'KiB'"),
+        (["--endpoint", "a/b.sock"], "--endpoint must be a plain file name"),
+        (["--health-interval", "0"], "--health-interval must be positive"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_plugin_directory_is_refused(
+    sock_dir: Path, fake_source: FakeSource, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["--kubelet-socket", str(sock_dir / "absent" / "kubelet.sock")], fake_source)
+    assert code == 2
+    assert f"{sock_dir / 'absent'} is not a directory" in capsys.readouterr().err
+
+
+def test_oversized_device_list_exits_with_a_clear_error(
+    sock_dir: Path,
+    make_source: Callable[[int], FakeSource],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--kubelet-socket", str(sock_dir / "kubelet.sock"), "--memory-unit", "MiB"]
+    assert main(argv, make_source(8)) == 2
+    assert "use a larger --memory-unit" in capsys.readouterr().err
+    assert not (sock_dir / "aliyungpushare.sock").exists()
