@@ -79,6 +79,7 @@ class HookContext:
     bundle: Path
     env: dict[str, str]
     plan: Plan = DISABLED
+    pid: int | None = None  # the container's init process (prestart), from the OCI state
 
     @property
     def id12(self) -> str:
@@ -141,8 +142,17 @@ def run_prestart_steps(ctx: HookContext, steps: Sequence[PrestartStep], stderr: 
 
 # --- inputs -----------------------------------------------------------------
 
-def read_state(stream: TextIO) -> tuple[str, Path]:
-    """(container id, bundle directory) from the OCI state on stdin."""
+@dataclass(frozen=True)
+class OciState:
+    """The fields of the OCI state that the hook uses."""
+
+    container_id: str
+    bundle: Path
+    pid: int | None
+
+
+def read_state(stream: TextIO) -> OciState:
+    """The OCI state the runtime writes on the hook's stdin."""
     try:
         state = json.load(stream)
     except (ValueError, UnicodeDecodeError) as error:
@@ -155,7 +165,9 @@ def read_state(stream: TextIO) -> tuple[str, Path]:
         raise HookError("OCI state on stdin has no container id")
     if not isinstance(bundle, str) or not bundle:
         raise HookError("OCI state on stdin has no bundle")
-    return container_id, Path(bundle)
+    pid = state.get("pid")
+    return OciState(container_id, Path(bundle),
+                    pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
 
 
 def env_from_list(pairs: Sequence[Any]) -> dict[str, str]:
@@ -235,8 +247,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_prestart(args: argparse.Namespace) -> int:
-    container_id, bundle = read_state(sys.stdin)
-    env = container_env(bundle)
+    state = read_state(sys.stdin)
+    env = container_env(state.bundle)
     try:
         enabled = switch_mode(env) is not None
     except PlanError as error:
@@ -245,17 +257,17 @@ def cmd_prestart(args: argparse.Namespace) -> int:
         return 0
     root = treefs.resolve_root(args.root)
     require_tree(root)
-    ctx = HookContext(root=root, container_id=container_id, bundle=bundle, env=env,
-                      plan=make_plan(env, root))
+    ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,
+                      env=env, plan=make_plan(env, root), pid=state.pid)
     if ctx.plan.enabled:
         run_prestart_steps(ctx, PRESTART_STEPS, sys.stderr)
     return 0
 
 
 def cmd_poststop(args: argparse.Namespace) -> int:
-    container_id, bundle = read_state(sys.stdin)
+    state = read_state(sys.stdin)
     try:
-        env = container_env(bundle)
+        env = container_env(state.bundle)
         if switch_mode(env) is None:
             return 0
     except (HookError, PlanError):
@@ -263,7 +275,8 @@ def cmd_poststop(args: argparse.Namespace) -> int:
     root = treefs.resolve_root(args.root)
     if not (root / "inst_ctl").exists():
         return 0  # no tree, so nothing of ours is registered
-    ctx = HookContext(root=root, container_id=container_id, bundle=bundle, env=env)
+    ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,
+                      env=env, pid=state.pid)
     failures: list[str] = []
     for step in POSTSTOP_STEPS:
         try:

@@ -159,11 +159,15 @@ def test_failed_step_undoes_everything(control_tree: Path, tmp_path: Path,
 @FOUR
 def test_a_later_step_failing_undoes_registration(control_tree: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[int | None, int]] = []
+
     def failing_step(ctx: hook.HookContext, undo: hook.Undo) -> None:
+        seen.append((ctx.pid, len(ctx.plan.gpus)))
         raise hook.HookError("region: no space left")
     monkeypatch.setattr(hook, "PRESTART_STEPS", [hook.register_on_gpus, failing_step])
     bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "1"})
     assert run_hook(monkeypatch, control_tree, "prestart", bundle) == 1
+    assert seen == [(1, 4)]
     assert registered(control_tree) == {k: {} for k in range(4)}
 
 
@@ -245,7 +249,9 @@ def test_bad_state_is_one_line(monkeypatch: pytest.MonkeyPatch,
 
 def test_old_runtimes_bundle_path_key(tmp_path: Path) -> None:
     state = io.StringIO(json.dumps({"id": "abc", "bundlePath": str(tmp_path)}))
-    assert hook.read_state(state) == ("abc", tmp_path)
+    assert hook.read_state(state) == hook.OciState("abc", tmp_path, None)
+    state = io.StringIO(json.dumps({"id": "abc", "bundle": str(tmp_path), "pid": 42}))
+    assert hook.read_state(state).pid == 42
 
 
 def test_config_env_parsing(tmp_path: Path) -> None:
