@@ -157,35 +157,44 @@ def switch_mode(env: Mapping[str, str]) -> Mode | None:
     return "cgpu"
 
 
-def visible_gpus(env: Mapping[str, str], gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
-    """The container's GPUs in its own order (its GPU k is element k)."""
+@dataclass(frozen=True)
+class Request:
+    """What the environment asks for, parsed and checked without the GPUs.
+
+    `visible` is None for every GPU, else the listed indexes (int) and UUIDs
+    (str) in order. `memory` is ("per_device" | "container" | "whole", the
+    list of values); `dev` is None when the denominator is the whole GiB.
+    """
+
+    mode: Mode
+    visible: tuple[int | str, ...] | None
+    visible_variable: str
+    memory_variable: str
+    memory_kind: Literal["per_device", "container", "whole"]
+    memory_values: tuple[int, ...]
+    dev: int | None
+    reserve: int
+    weight: int | None
+    highprio: int
+    util_limit: int
+    oom_script: str | None
+
+
+def _visible(env: Mapping[str, str]) -> tuple[str, tuple[int | str, ...] | None]:
     name = VISIBLE_ALIYUN
     text = _get(env, VISIBLE_ALIYUN)
     if text is None:
         name, text = VISIBLE_NVIDIA, _get(env, VISIBLE_NVIDIA)
     if text is None or text.lower() == "all":
-        return list(gpus)
+        return name, None
     if text.lower() in _NO_GPU_WORDS:
-        return []
-    by_index = {gpu.index: gpu for gpu in gpus}
-    by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
-    chosen: list[GpuInfo] = []
+        return name, ()
+    items: list[int | str] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             raise PlanError(f"{name}: {_show(text)} has an empty element")
-        if _UNSIGNED.fullmatch(item):
-            gpu = by_index.get(int(item))
-            what = "index"
-        else:
-            gpu = by_uuid.get(item.lower())
-            what = "UUID"
-        if gpu is None:
-            raise PlanError(f"{name}: no GPU with {what} {_show(item)} on this host "
-                            f"({len(gpus)} GPU(s))")
-        if gpu in chosen:
-            raise PlanError(f"{name}: GPU {gpu.index} is listed twice")
-        chosen.append(gpu)
-    return chosen
+        items.append(int(item) if _UNSIGNED.fullmatch(item) else item)
+    return name, tuple(items)
 
 
 def _reserve(env: Mapping[str, str], mode: Mode) -> int:
@@ -196,60 +205,13 @@ def _reserve(env: Mapping[str, str], mode: Mode) -> int:
     return mib * MIB
 
 
-def _memsizes(env: Mapping[str, str], mode: Mode, gpus: Sequence[GpuInfo]) -> list[int]:
-    """Bytes for each of the container's GPUs, checked against the device."""
-    reserve = _reserve(env, mode)
-    per_device = _get(env, MEM_PER_DEVICE)
-    container = _get(env, MEM_CONTAINER)
-    sizes: list[int]
-    if per_device is not None:
-        source = MEM_PER_DEVICE
-        values = parse_uint_list(MEM_PER_DEVICE, per_device)
-        sizes = [list_element(values, k) - reserve for k in range(len(gpus))]
-    elif container is not None:
-        source = MEM_CONTAINER
-        values = parse_uint_list(MEM_CONTAINER, container)
-        dev_text = _get(env, MEM_DEV)
-        dev = None if dev_text is None else parse_uint(MEM_DEV, dev_text)
-        if dev == 0:
-            raise PlanError(f"{MEM_DEV}: must be above 0")
-        sizes = []
-        for k, gpu in enumerate(gpus):
-            denominator = dev if dev is not None else -(-gpu.memory_total // GIB)
-            if denominator <= 0:
-                raise PlanError(f"{MEM_CONTAINER}: GPU {gpu.index} reports no memory")
-            share = gpu.memory_total * list_element(values, k) // denominator
-            sizes.append(share - reserve)
-    else:
-        # Only eGPU gets here (the cGPU switch needs MEM_CONTAINER).
-        source = MEM_RESERVED
-        sizes = [gpu.memory_total - reserve for gpu in gpus]
-    after = f" after the {reserve // MIB} MiB reserve" if reserve else ""
-    for gpu, size in zip(gpus, sizes, strict=True):
-        if size <= 0:
-            raise PlanError(f"{source}: gives {size} bytes{after} on GPU {gpu.index}, "
-                            "which is not above 0")
-        if size > gpu.memory_total:
-            raise PlanError(f"{source}: gives {size} bytes on GPU {gpu.index}, above its "
-                            f"{gpu.memory_total} bytes")
-    return sizes
-
-
-def _max_inst_of(max_inst: int | Mapping[int, int], index: int) -> int:
-    if isinstance(max_inst, int):
-        return max_inst
-    return max_inst.get(index, DEFAULT_MAX_INST)
-
-
-def _weight(env: Mapping[str, str], gpu: GpuInfo, max_inst: int | Mapping[int, int]) -> int:
+def _weight(env: Mapping[str, str]) -> int | None:
     text = _get(env, WEIGHT)
     if text is None:
-        return 1
+        return None
     weight = parse_uint(WEIGHT, text)
-    limit = _max_inst_of(max_inst, gpu.index)
-    if not 1 <= weight <= limit:
-        raise PlanError(f"{WEIGHT}: {weight} is outside 1..{limit} (max_inst of GPU "
-                        f"{gpu.index})")
+    if weight == 0:
+        raise PlanError(f"{WEIGHT}: 0 is below 1")
     return weight
 
 
@@ -270,10 +232,110 @@ def _util_limit(env: Mapping[str, str]) -> int:
     return percent if percent <= UTIL_LIMIT_MAX else 0
 
 
-def _oom_script(env: Mapping[str, str], mode: Mode) -> str | None:
-    if mode != "egpu":
+def parse_request(env: Mapping[str, str]) -> Request | None:
+    """The checked request, None when no switch is on, or PlanError."""
+    mode = switch_mode(env)
+    if mode is None:
         return None
-    return _get(env, OOM_SCRIPT)
+    if mode == "egpu":
+        _flag(env, EGPU_HOST_DAEMON)  # accepted; the host daemon is always used
+    visible_variable, visible = _visible(env)
+    per_device = _get(env, MEM_PER_DEVICE)
+    container = _get(env, MEM_CONTAINER)
+    dev: int | None = None
+    kind: Literal["per_device", "container", "whole"]
+    if per_device is not None:
+        kind, variable = "per_device", MEM_PER_DEVICE
+        values = parse_uint_list(MEM_PER_DEVICE, per_device)
+    elif container is not None:
+        kind, variable = "container", MEM_CONTAINER
+        values = parse_uint_list(MEM_CONTAINER, container)
+        dev_text = _get(env, MEM_DEV)
+        dev = None if dev_text is None else parse_uint(MEM_DEV, dev_text)
+        if dev == 0:
+            raise PlanError(f"{MEM_DEV}: must be above 0")
+    else:  # only eGPU gets here: the cGPU switch needs MEM_CONTAINER
+        kind, variable, values = "whole", MEM_RESERVED, []
+    return Request(
+        mode=mode, visible=visible, visible_variable=visible_variable,
+        memory_variable=variable, memory_kind=kind, memory_values=tuple(values), dev=dev,
+        reserve=_reserve(env, mode), weight=_weight(env), highprio=_flag(env, HIGH_PRIO),
+        util_limit=_util_limit(env),
+        oom_script=_get(env, OOM_SCRIPT) if mode == "egpu" else None,
+    )
+
+
+def visible_gpus(request: Request, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+    """The container's GPUs in its own order (its GPU k is element k)."""
+    if request.visible is None:
+        return list(gpus)
+    name = request.visible_variable
+    by_index = {gpu.index: gpu for gpu in gpus}
+    by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
+    chosen: list[GpuInfo] = []
+    for item in request.visible:
+        if isinstance(item, int):
+            gpu, what = by_index.get(item), "index"
+        else:
+            gpu, what = by_uuid.get(item.lower()), "UUID"
+        if gpu is None:
+            raise PlanError(f"{name}: no GPU with {what} {_show(str(item))} on this host "
+                            f"({len(gpus)} GPU(s))")
+        if gpu in chosen:
+            raise PlanError(f"{name}: GPU {gpu.index} is listed twice")
+        chosen.append(gpu)
+    return chosen
+
+
+def memsize_on(request: Request, gpu: GpuInfo, k: int) -> int:
+    """Bytes for the container's GPU k (`gpu`), checked against the device."""
+    variable = request.memory_variable
+    if request.memory_kind == "per_device":
+        share = list_element(request.memory_values, k)
+    elif request.memory_kind == "container":
+        denominator = request.dev if request.dev is not None else -(-gpu.memory_total // GIB)
+        if denominator <= 0:
+            raise PlanError(f"{variable}: GPU {gpu.index} reports no memory")
+        share = gpu.memory_total * list_element(request.memory_values, k) // denominator
+    else:
+        share = gpu.memory_total
+    size = share - request.reserve
+    if size <= 0:
+        after = f" after the {request.reserve // MIB} MiB reserve" if request.reserve else ""
+        raise PlanError(f"{variable}: gives {size} bytes{after} on GPU {gpu.index}, "
+                        "which is not above 0")
+    if size > gpu.memory_total:
+        raise PlanError(f"{variable}: gives {size} bytes on GPU {gpu.index}, above its "
+                        f"{gpu.memory_total} bytes")
+    return size
+
+
+def weight_on(request: Request, gpu: GpuInfo, max_inst: int | Mapping[int, int]) -> int:
+    if request.weight is None:
+        return 1
+    limit = max_inst if isinstance(max_inst, int) else max_inst.get(gpu.index,
+                                                                      DEFAULT_MAX_INST)
+    if request.weight > limit:
+        raise PlanError(f"{WEIGHT}: {request.weight} is outside 1..{limit} (max_inst of GPU "
+                        f"{gpu.index})")
+    return request.weight
+
+
+def place(request: Request | None, gpus: Sequence[GpuInfo],
+          max_inst: int | Mapping[int, int] = DEFAULT_MAX_INST) -> Plan:
+    """The plan for a parsed request on the host `gpus`, or PlanError."""
+    if request is None:
+        return DISABLED
+    chosen = visible_gpus(request, gpus)
+    if not chosen:
+        return DISABLED
+    planned = [
+        GpuPlan(index=gpu.index, uuid=gpu.uuid, name=gpu.name,
+                memsize=memsize_on(request, gpu, k), weight=weight_on(request, gpu, max_inst),
+                highprio=request.highprio, util_limit=request.util_limit)
+        for k, gpu in enumerate(chosen)
+    ]
+    return Plan(enabled=True, mode=request.mode, gpus=planned, oom_script=request.oom_script)
 
 
 def resolve_plan(
@@ -284,22 +346,7 @@ def resolve_plan(
     """The container's allocation on the host `gpus`, or PlanError.
 
     `max_inst` bounds the weight: one value for every GPU, or per GPU index.
+    Every value that does not depend on the GPUs is checked first
+    (`parse_request`), so a bad value is reported even before discovery.
     """
-    mode = switch_mode(env)
-    if mode is None:
-        return DISABLED
-    if mode == "egpu":
-        _flag(env, EGPU_HOST_DAEMON)  # accepted; the host daemon is always used
-    chosen = visible_gpus(env, gpus)
-    if not chosen:
-        return DISABLED
-    sizes = _memsizes(env, mode, chosen)
-    highprio = _flag(env, HIGH_PRIO)
-    util_limit = _util_limit(env)
-    planned = [
-        GpuPlan(index=gpu.index, uuid=gpu.uuid, name=gpu.name, memsize=size,
-                weight=_weight(env, gpu, max_inst), highprio=highprio,
-                util_limit=util_limit)
-        for gpu, size in zip(chosen, sizes, strict=True)
-    ]
-    return Plan(enabled=True, mode=mode, gpus=planned, oom_script=_oom_script(env, mode))
+    return place(parse_request(env), gpus, max_inst)

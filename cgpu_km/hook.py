@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cgpu_km import treefs
-from cgpu_km.envplan import DEFAULT_MAX_INST, DISABLED, Plan, PlanError, resolve_plan, switch_mode
+from cgpu_km.envplan import (
+    DEFAULT_MAX_INST,
+    DISABLED,
+    Plan,
+    PlanError,
+    parse_request,
+    place,
+    switch_mode,
+)
 from cgpu_km.gpus import GpuError, discover_gpus
 
 PROG = "cgpu-hook"
@@ -219,11 +227,12 @@ def tree_max_inst(root: Path) -> dict[int, int]:
 def make_plan(env: Mapping[str, str], root: Path | None) -> Plan:
     """The plan for `env`; NVML is consulted only when a switch is on."""
     try:
-        if switch_mode(env) is None:
+        request = parse_request(env)  # bad values are reported before NVML is asked
+        if request is None:
             return DISABLED
         gpus = discover_gpus()
         limits: dict[int, int] | int = DEFAULT_MAX_INST if root is None else tree_max_inst(root)
-        return resolve_plan(env, gpus, limits)
+        return place(request, gpus, limits)
     except PlanError as error:
         raise HookError(str(error), EXIT_BAD_VALUE) from None
     except GpuError as error:

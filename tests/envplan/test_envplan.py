@@ -14,6 +14,8 @@ from cgpu_km.envplan import (
     MIB,
     PlanError,
     list_element,
+    parse_request,
+    place,
     resolve_plan,
     switch_mode,
 )
@@ -244,7 +246,8 @@ def test_weight_range_follows_max_inst() -> None:
     env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_SCHD_WEIGHT": "16"}
     assert plan(env, [T4]).gpus[0].weight == 16
     assert "outside 1..16" in error({**env, "ALIYUN_COM_GPU_SCHD_WEIGHT": "17"}, [T4])
-    assert "outside 1..16" in error({**env, "ALIYUN_COM_GPU_SCHD_WEIGHT": "0"}, [T4])
+    assert error({**env, "ALIYUN_COM_GPU_SCHD_WEIGHT": "0"}, [T4]) == \
+        "ALIYUN_COM_GPU_SCHD_WEIGHT: 0 is below 1"
     with pytest.raises(PlanError, match=r"^ALIYUN_COM_GPU_SCHD_WEIGHT: 5 is outside 1\.\.4 "):
         resolve_plan({**env, "ALIYUN_COM_GPU_SCHD_WEIGHT": "5"}, [T4], 4)
     with pytest.raises(PlanError, match=r"max_inst of GPU 1\)$"):
@@ -307,6 +310,21 @@ def test_plan_json_shape() -> None:
 def test_error_values_are_quoted_short_and_on_one_line() -> None:
     message = error({"ALIYUN_COM_GPU_MEM_CONTAINER": "x\n" + "y" * 500})
     assert len(message) < 120
+
+
+def test_values_are_checked_before_the_gpus_are_known() -> None:
+    bad = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_HIGH_PRIO": "2",
+           "NVIDIA_VISIBLE_DEVICES": "9"}
+    with pytest.raises(PlanError, match=r"^ALIYUN_COM_GPU_HIGH_PRIO: "):
+        parse_request(bad)
+    request = parse_request({"ALIYUN_COM_GPU_MEM_CONTAINER": "3,1",
+                             "NVIDIA_VISIBLE_DEVICES": f"2,{FOUR[0].uuid}"})
+    assert request is not None
+    assert request.visible == (2, FOUR[0].uuid)
+    assert place(request, FOUR) == plan({"ALIYUN_COM_GPU_MEM_CONTAINER": "3,1",
+                                        "NVIDIA_VISIBLE_DEVICES": f"2,{FOUR[0].uuid}"})
+    assert parse_request({}) is None
+    assert place(None, FOUR) == DISABLED
 
 
 # --- any environment: a plan or a PlanError --------------------------------

@@ -103,6 +103,17 @@ def test_plan_gpu_failure_is_one_line(capsys: pytest.CaptureFixture[str],
     assert capsys.readouterr().err == "cgpu-hook: NVML: init failed: Driver Not Loaded\n"
 
 
+def test_bad_value_is_reported_even_without_gpus(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(hook, "discover_gpus", lambda: pytest.fail("NVML was consulted"))
+    code = hook.main(["--root", str(tmp_path), "plan", "--env", "AMP_VGPU_ENABLE=1",
+                      "--env", "GPU_UTIL_PER_DEVICE=lots"])
+    assert code == 2
+    assert capsys.readouterr().err == \
+        "cgpu-hook: GPU_UTIL_PER_DEVICE: 'lots' is not a whole number\n"
+
+
 def test_disabled_plan_needs_no_gpu(capsys: pytest.CaptureFixture[str],
                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(hook, "discover_gpus", lambda: pytest.fail("NVML was consulted"))
