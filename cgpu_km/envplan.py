@@ -162,8 +162,10 @@ class Request:
     """What the environment asks for, parsed and checked without the GPUs.
 
     `visible` is None for every GPU, else the listed indexes (int) and UUIDs
-    (str) in order. `memory` is ("per_device" | "container" | "whole", the
-    list of values); `dev` is None when the denominator is the whole GiB.
+    (str) in order. `memory_kind` says which formula applies to
+    `memory_values` (bytes, shares of `dev`, or the whole device); `dev` is
+    None when the denominator is the device's size in whole GiB. `reserve`
+    is in bytes and `weight` None means the default.
     """
 
     mode: Mode
