@@ -1,0 +1,523 @@
+/*
+ * region.c: the container's shared region seen from one process.
+ *
+ * Attach ($CGPU_REGION), claim and release this process's slot, reclaim the
+ * slots of dead processes, the exact container-wide limit check, the eGPU
+ * OOM path and the gate. See region.h for the rules that keep it lock free.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cgpu.h"
+
+extern char **environ;
+
+struct cgpu_region *cgpu_region_ptr;
+struct cgpu_proc *cgpu_slot_ptr;
+
+static pthread_once_t region_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER; /* process-local */
+static uint64_t my_pidns;
+
+void cgpu_log(const char *fmt, ...)
+{
+    char buf[512];
+    int n = snprintf(buf, sizeof buf, "libcgpu[%d]: ", (int)getpid());
+    va_list ap;
+    va_start(ap, fmt);
+    int m = vsnprintf(buf + n, sizeof buf - (size_t)n - 1, fmt, ap);
+    va_end(ap);
+    size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
+    if (len > sizeof buf - 2)
+        len = sizeof buf - 2;
+    buf[len++] = '\n';
+    ssize_t w = write(2, buf, len);
+    (void)w;
+}
+
+uint64_t cgpu_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t pidns_inode(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* State letter and start time (field 22) of a process from /proc; 0 on success. */
+static int proc_stat(pid_t pid, char *state, uint64_t *start_time)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -EIO;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')'); /* comm may contain spaces and parentheses */
+    if (p == NULL || p[1] != ' ')
+        return -EIO;
+    p += 2;
+    *state = *p;
+    /* p is at field 3; skip to field 22 */
+    for (int field = 3; field < 22; field++) {
+        p = strchr(p, ' ');
+        if (p == NULL)
+            return -EIO;
+        p++;
+    }
+    *start_time = strtoull(p, NULL, 10);
+    return 0;
+}
+
+/* Is the owner of this slot still running? Unknown counts as alive. */
+static int slot_owner_alive(const struct cgpu_proc *s)
+{
+    pid_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
+    uint64_t ns = __atomic_load_n(&s->pidns, __ATOMIC_RELAXED);
+    if (pid <= 0)
+        return 1;
+    if (ns != 0 && my_pidns != 0 && ns != my_pidns)
+        return 1; /* another pid namespace: its pids mean nothing here */
+    char state;
+    uint64_t start;
+    int rc = proc_stat(pid, &state, &start);
+    if (rc == -ENOENT)
+        return 0;
+    if (rc == 0) {
+        if (state == 'Z' || state == 'X')
+            return 0;
+        uint64_t want = __atomic_load_n(&s->start_time, __ATOMIC_RELAXED);
+        return want == 0 || start == want;
+    }
+    return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+static void slot_zero_usage(struct cgpu_proc *s)
+{
+    for (int g = 0; g < CGPU_MAX_GPUS; g++) {
+        struct cgpu_proc_gpu *pg = &s->gpu[g];
+        __atomic_store_n(&pg->mem, 0, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&pg->inflight, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&pg->pending, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&pg->contexts, 0, __ATOMIC_RELAXED);
+        pg->launches = 0;
+        pg->last_launch_ns = 0;
+        pg->gate_wait_ns = 0;
+        pg->allocs = 0;
+        pg->oom_refusals = 0;
+    }
+}
+
+static uint32_t slots_used(const struct cgpu_region *r)
+{
+    uint32_t n = __atomic_load_n(&r->slots_used, __ATOMIC_ACQUIRE);
+    return n > CGPU_MAX_PROCS ? CGPU_MAX_PROCS : n;
+}
+
+int cgpu_reclaim_dead(void)
+{
+    struct cgpu_region *r = cgpu_region_ptr;
+    if (r == NULL)
+        return 0;
+    int reclaimed = 0;
+    uint32_t n = slots_used(r);
+    for (uint32_t i = 0; i < n; i++) {
+        struct cgpu_proc *s = &r->proc[i];
+        if (s == cgpu_slot_ptr || __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != CGPU_SLOT_LIVE)
+            continue;
+        if (slot_owner_alive(s))
+            continue;
+        uint32_t expect = CGPU_SLOT_LIVE;
+        if (!__atomic_compare_exchange_n(&s->state, &expect, CGPU_SLOT_RECLAIMING, 0,
+                                         __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue;
+        slot_zero_usage(s);
+        __atomic_store_n(&s->pid, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->state, CGPU_SLOT_FREE, __ATOMIC_RELEASE);
+        reclaimed++;
+    }
+    return reclaimed;
+}
+
+static void slot_release(void)
+{
+    struct cgpu_proc *s = cgpu_slot_ptr;
+    if (s == NULL)
+        return;
+    __atomic_store_n(&cgpu_slot_ptr, NULL, __ATOMIC_RELEASE);
+    uint32_t expect = CGPU_SLOT_LIVE;
+    if (__atomic_load_n(&s->pid, __ATOMIC_RELAXED) != getpid() ||
+        !__atomic_compare_exchange_n(&s->state, &expect, CGPU_SLOT_RECLAIMING, 0,
+                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return;
+    slot_zero_usage(s);
+    __atomic_store_n(&s->pid, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->state, CGPU_SLOT_FREE, __ATOMIC_RELEASE);
+}
+
+/* A forked child starts without a slot: the parent's belongs to the parent. */
+static void after_fork_child(void)
+{
+    __atomic_store_n(&cgpu_slot_ptr, NULL, __ATOMIC_RELEASE);
+    pthread_mutex_init(&claim_lock, NULL);
+    cgpu_track_after_fork();
+    cgpu_hooks_after_fork();
+}
+
+/* At a normal exit the process's bytes leave the container total at once;
+ * a killed process's slot is reclaimed by the others or by the daemon. */
+__attribute__((destructor)) static void at_exit_release(void)
+{
+    slot_release();
+}
+
+static void region_attach(void)
+{
+    const char *path = getenv("CGPU_REGION");
+    if (path == NULL || path[0] == '\0')
+        return;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno != ENOENT)
+            cgpu_log("cannot open region %s: %s; running without limits", path, strerror(errno));
+        return;
+    }
+    struct stat st;
+    void *map = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct cgpu_region))
+        map = mmap(NULL, sizeof(struct cgpu_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) {
+        cgpu_log("region %s is too small or cannot be mapped; running without limits", path);
+        return;
+    }
+    struct cgpu_region *r = map;
+    if (r->magic != CGPU_REGION_MAGIC || r->version != CGPU_REGION_VERSION ||
+        r->size != sizeof(struct cgpu_region) || r->ngpus == 0 || r->ngpus > CGPU_MAX_GPUS) {
+        cgpu_log("region %s has an unknown layout (version %u, want %u); running without limits",
+                 path, r->version, CGPU_REGION_VERSION);
+        munmap(map, sizeof(struct cgpu_region));
+        return;
+    }
+    my_pidns = pidns_inode();
+    pthread_atfork(NULL, NULL, after_fork_child);
+    __atomic_store_n(&cgpu_region_ptr, r, __ATOMIC_RELEASE);
+}
+
+struct cgpu_region *cgpu_region(void)
+{
+    struct cgpu_region *r = __atomic_load_n(&cgpu_region_ptr, __ATOMIC_ACQUIRE);
+    if (cgpu_likely(r != NULL))
+        return r;
+    pthread_once(&region_once, region_attach);
+    return __atomic_load_n(&cgpu_region_ptr, __ATOMIC_ACQUIRE);
+}
+
+static void read_comm(char *out, size_t len)
+{
+    memset(out, 0, len);
+    int fd = open("/proc/self/comm", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    ssize_t n = read(fd, out, len - 1);
+    close(fd);
+    if (n > 0 && out[n - 1] == '\n')
+        out[n - 1] = '\0';
+}
+
+struct cgpu_proc *cgpu_slot_claim(void)
+{
+    struct cgpu_region *r = cgpu_region();
+    if (r == NULL)
+        return NULL;
+    pthread_mutex_lock(&claim_lock);
+    struct cgpu_proc *mine = cgpu_slot_ptr;
+    if (mine != NULL) {
+        pthread_mutex_unlock(&claim_lock);
+        return mine;
+    }
+    cgpu_reclaim_dead();
+    pid_t pid = getpid();
+    char state;
+    uint64_t start = 0;
+    if (proc_stat(pid, &state, &start) != 0)
+        start = 0;
+    for (uint32_t i = 0; i < CGPU_MAX_PROCS; i++) {
+        struct cgpu_proc *s = &r->proc[i];
+        uint32_t expect = CGPU_SLOT_FREE;
+        if (!__atomic_compare_exchange_n(&s->state, &expect, CGPU_SLOT_CLAIMING, 0,
+                                         __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            continue;
+        slot_zero_usage(s);
+        s->start_time = start;
+        s->pidns = my_pidns;
+        s->attach_ns = cgpu_now_ns();
+        read_comm(s->comm, sizeof s->comm);
+        __atomic_store_n(&s->pid, pid, __ATOMIC_RELEASE);
+        /* raise the high-water mark before anything is counted in this slot */
+        uint32_t hwm = __atomic_load_n(&r->slots_used, __ATOMIC_ACQUIRE);
+        while (hwm < i + 1 &&
+               !__atomic_compare_exchange_n(&r->slots_used, &hwm, i + 1, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE))
+            ;
+        __atomic_store_n(&s->state, CGPU_SLOT_LIVE, __ATOMIC_RELEASE);
+        __atomic_store_n(&cgpu_slot_ptr, s, __ATOMIC_RELEASE);
+        mine = s;
+        break;
+    }
+    pthread_mutex_unlock(&claim_lock);
+    if (mine == NULL)
+        cgpu_log("no free process slot in the region (%d in use); allocations are refused",
+                 CGPU_MAX_PROCS);
+    return mine;
+}
+
+uint64_t cgpu_usage(int g)
+{
+    struct cgpu_region *r = cgpu_region_ptr;
+    if (r == NULL)
+        return 0;
+    uint64_t total = 0;
+    uint32_t n = slots_used(r);
+    for (uint32_t i = 0; i < n; i++)
+        total += __atomic_load_n(&r->proc[i].gpu[g].mem, __ATOMIC_SEQ_CST);
+    return total;
+}
+
+/* Sum of all slots and of the other slots' in-flight reservations. */
+static void usage_scan(const struct cgpu_region *r, const struct cgpu_proc *me, int g,
+                       uint64_t *total, uint64_t *others_inflight)
+{
+    uint64_t t = 0, f = 0;
+    uint32_t n = slots_used(r);
+    for (uint32_t i = 0; i < n; i++) {
+        const struct cgpu_proc_gpu *pg = &r->proc[i].gpu[g];
+        t += __atomic_load_n(&pg->mem, __ATOMIC_SEQ_CST);
+        if (&r->proc[i] != me)
+            f += __atomic_load_n(&pg->inflight, __ATOMIC_SEQ_CST);
+    }
+    *total = t;
+    *others_inflight = f;
+}
+
+static void sub_clamped(uint64_t *p, uint64_t v)
+{
+    uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED), next;
+    do {
+        next = cur > v ? cur - v : 0;
+    } while (!__atomic_compare_exchange_n(p, &cur, next, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED));
+}
+
+/* Randomised backoff, seeded per process so forked racers do not move in step. */
+static void backoff(unsigned attempt)
+{
+    static __thread uint64_t seed;
+    if (attempt < 4) {
+        sched_yield();
+        return;
+    }
+    if (seed == 0)
+        seed = cgpu_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&seed;
+    seed ^= seed << 13;
+    seed ^= seed >> 7;
+    seed ^= seed << 17;
+    uint64_t spread = attempt < 64 ? attempt : 64;
+    struct timespec ts = {0, (long)(1000 + seed % (spread * 1000))};
+    nanosleep(&ts, NULL);
+}
+
+int cgpu_reserve(int g, uint64_t size)
+{
+    struct cgpu_region *r = cgpu_region_ptr;
+    struct cgpu_proc *me = cgpu_slot();
+    if (r == NULL)
+        return 0;
+    if (me == NULL)
+        return -1;
+    struct cgpu_proc_gpu *pg = &me->gpu[g];
+    uint64_t limit = __atomic_load_n(&r->gpu[g].limit, __ATOMIC_ACQUIRE);
+    if (limit == 0) { /* the whole device: count, never refuse */
+        __atomic_add_fetch(&pg->mem, size, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(&pg->allocs, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    if (size > limit)
+        return -1;
+    int reclaimed_once = 0;
+    for (unsigned attempt = 0; attempt < 2000; attempt++) {
+        /* publish first, then look: whoever of two racers looks last sees both */
+        __atomic_add_fetch(&pg->inflight, size, __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(&pg->mem, size, __ATOMIC_SEQ_CST);
+        uint64_t total, others_inflight;
+        usage_scan(r, me, g, &total, &others_inflight);
+        if (total <= limit) {
+            sub_clamped(&pg->inflight, size);
+            __atomic_fetch_add(&pg->allocs, 1, __ATOMIC_RELAXED);
+            return 0;
+        }
+        sub_clamped(&pg->mem, size);
+        sub_clamped(&pg->inflight, size);
+        int contended = others_inflight > 0 && total - others_inflight <= limit;
+        if (!contended) {
+            if (!reclaimed_once) {
+                reclaimed_once = 1;
+                if (cgpu_reclaim_dead() > 0)
+                    continue;
+            }
+            return -1;
+        }
+        backoff(attempt); /* another process's check is in flight: try again */
+    }
+    return -1;
+}
+
+void cgpu_unreserve(int g, uint64_t size)
+{
+    struct cgpu_proc *me = cgpu_slot_ptr;
+    if (me != NULL && size > 0)
+        sub_clamped(&me->gpu[g].mem, size);
+}
+
+static void set_env_u64(char **slot, const char *name, uint64_t v)
+{
+    if (asprintf(slot, "%s=%llu", name, (unsigned long long)v) < 0)
+        *slot = NULL;
+}
+
+/* Run the eGPU OOM script with its information in the environment; wait for it. */
+static void run_oom_script(const char *script, const struct cgpu_region *r, int g,
+                           uint64_t limit, uint64_t usage, uint64_t request)
+{
+    size_t n = 0;
+    while (environ[n] != NULL)
+        n++;
+    char **envp = calloc(n + 8, sizeof *envp);
+    if (envp == NULL)
+        return;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strncmp(environ[i], "LD_PRELOAD=", 11) != 0 && strncmp(environ[i], "CGPU_OOM_", 9) != 0)
+            envp[k++] = environ[i];
+    char *extra[6] = {0};
+    if (asprintf(&extra[0], "CGPU_OOM_CONTAINER=%.*s", CGPU_ID_LEN, r->container_id) < 0)
+        extra[0] = NULL;
+    set_env_u64(&extra[1], "CGPU_OOM_GPU", (uint64_t)g);
+    set_env_u64(&extra[2], "CGPU_OOM_LIMIT", limit);
+    set_env_u64(&extra[3], "CGPU_OOM_USAGE", usage);
+    set_env_u64(&extra[4], "CGPU_OOM_REQUEST", request);
+    set_env_u64(&extra[5], "CGPU_OOM_PID", (uint64_t)getpid());
+    for (int i = 0; i < 6; i++)
+        if (extra[i] != NULL)
+            envp[k++] = extra[i];
+    envp[k] = NULL;
+    char *argv[] = {(char *)script, NULL};
+    pid_t child;
+    int rc = posix_spawn(&child, script, NULL, NULL, argv, envp);
+    if (rc != 0) {
+        cgpu_log("cannot run the OOM script %s: %s", script, strerror(rc));
+    } else {
+        int status;
+        while (waitpid(child, &status, 0) < 0 && errno == EINTR)
+            ;
+    }
+    for (int i = 0; i < 6; i++)
+        free(extra[i]);
+    free(envp);
+}
+
+void cgpu_over_limit(int g, uint64_t request)
+{
+    struct cgpu_region *r = cgpu_region_ptr;
+    struct cgpu_proc *me = cgpu_slot_ptr;
+    if (r == NULL)
+        return;
+    if (me != NULL)
+        __atomic_fetch_add(&me->gpu[g].oom_refusals, 1, __ATOMIC_RELAXED);
+    if (__atomic_load_n(&r->mode, __ATOMIC_RELAXED) != CGPU_MODE_EGPU)
+        return;
+    uint64_t limit = r->gpu[g].limit;
+    uint64_t usage = cgpu_usage(g);
+    char script[CGPU_PATH_LEN + 1];
+    const char *env_script = getenv("ALIYUN_COM_GPU_OOM_SCRIPT");
+    if (env_script != NULL && env_script[0] != '\0') {
+        snprintf(script, sizeof script, "%s", env_script);
+    } else {
+        memcpy(script, r->oom_script, CGPU_PATH_LEN);
+        script[CGPU_PATH_LEN] = '\0';
+    }
+    cgpu_log("container %.*s GPU %d: out of GPU memory (limit %llu bytes, in use %llu, "
+             "requested %llu)%s%s",
+             CGPU_ID_LEN, r->container_id, g, (unsigned long long)limit,
+             (unsigned long long)usage, (unsigned long long)request,
+             script[0] ? "; running OOM script " : "", script);
+    if (script[0] != '\0')
+        run_oom_script(script, r, g, limit, usage, request);
+    cgpu_log("stopping process %d: eGPU memory limit exceeded", (int)getpid());
+    slot_release();
+    kill(getpid(), SIGKILL);
+    _exit(137);
+}
+
+static long futex_wait(uint32_t *addr, uint32_t val, uint64_t timeout_ns)
+{
+    struct timespec ts = {(time_t)(timeout_ns / 1000000000ull), (long)(timeout_ns % 1000000000ull)};
+    return syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+#define GATE_MAX_SLEEP_NS 100000000ull /* re-check at least every 100 ms */
+
+void cgpu_gate_wait(int g)
+{
+    struct cgpu_region *r = cgpu_region_ptr;
+    struct cgpu_proc *me = cgpu_slot();
+    uint32_t *gate = &r->gpu[g].gate;
+    uint64_t t0 = cgpu_now_ns();
+    int counted = 0;
+    for (;;) {
+        uint32_t closed = __atomic_load_n(gate, __ATOMIC_ACQUIRE);
+        if (closed == CGPU_GATE_OPEN)
+            break;
+        uint64_t hb = __atomic_load_n(&r->heartbeat_ns, __ATOMIC_ACQUIRE);
+        uint64_t timeout = __atomic_load_n(&r->gate_timeout_ns, __ATOMIC_RELAXED);
+        if (timeout == 0)
+            timeout = CGPU_DEFAULT_GATE_TIMEOUT_NS;
+        uint64_t now = cgpu_now_ns();
+        uint64_t age = now > hb ? now - hb : 0;
+        if (hb == 0 || age >= timeout)
+            break; /* the daemon is gone: fail open */
+        uint64_t wait = timeout - age;
+        if (wait > GATE_MAX_SLEEP_NS)
+            wait = GATE_MAX_SLEEP_NS;
+        if (!counted && me != NULL) {
+            __atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
+            counted = 1;
+        }
+        futex_wait(gate, closed, wait);
+    }
+    if (counted) {
+        __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&me->gpu[g].gate_wait_ns, cgpu_now_ns() - t0, __ATOMIC_RELAXED);
+    }
+}
