@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -69,8 +70,10 @@ class Runc:
     tree: Path
     state_file: Path
     created: list[str]
+    foreground: list[subprocess.Popen[bytes]]
 
-    def bundle(self, env: dict[str, str], name: str) -> Path:
+    def bundle(self, env: dict[str, str], name: str,
+               args: tuple[str, ...] = ("sleep", "600")) -> Path:
         bundle = self.workdir / name
         bundle.mkdir()
         assert RUNC is not None
@@ -78,7 +81,7 @@ class Runc:
         config = json.loads((bundle / "config.json").read_text())
         config["root"] = {"path": str(self.rootfs), "readonly": True}
         config["process"]["terminal"] = False
-        config["process"]["args"] = ["sleep", "600"]
+        config["process"]["args"] = list(args)
         config["process"]["env"] = ["PATH=/bin", *(f"{k}={v}" for k, v in env.items())]
         hook_env = [f"PATH={os.environ.get('PATH', '/usr/bin:/bin')}", "CGPU_SIMULATE=1",
                     f"SIMGPU_DEVICES={DEVICES}", f"SIMGPU_STATE={self.state_file}",
@@ -106,6 +109,20 @@ class Runc:
         result = subprocess.CompletedProcess(["runc"], code, out.read_text(), err.read_text())
         return container_id, result
 
+    def start_foreground(self, env: dict[str, str], args: tuple[str, ...]
+                         ) -> tuple[str, subprocess.Popen[bytes]]:
+        """`runc run` without --detach: runc waits for the process, then deletes it."""
+        container_id = uuid.uuid4().hex
+        bundle = self.bundle(env, container_id, args)
+        self.created.append(container_id)
+        assert RUNC is not None
+        with (bundle / "runc.err").open("w") as stderr:  # the child keeps its own copy
+            process = subprocess.Popen([RUNC, "run", "--bundle", str(bundle), container_id],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=stderr)
+        self.foreground.append(process)
+        return container_id, process
+
     def status(self, container_id: str) -> str:
         assert RUNC is not None
         state = subprocess.run([RUNC, "state", container_id], capture_output=True, text=True,
@@ -122,12 +139,18 @@ class Runc:
             assert RUNC is not None
             subprocess.run([RUNC, "delete", "--force", container_id], capture_output=True,
                            timeout=30, check=False)
+        for process in self.foreground:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 @pytest.fixture
 def runc(rootfs: Path, control_tree: Path, tmp_path: Path) -> Iterator[Runc]:
     helper = Runc(workdir=tmp_path, rootfs=rootfs, tree=control_tree,
-                  state_file=tmp_path / "simgpu-state", created=[])
+                  state_file=tmp_path / "simgpu-state", created=[], foreground=[])
     try:
         yield helper
     finally:
@@ -267,4 +290,23 @@ def test_two_containers_share_a_gpu(runc: Runc, control_tree: Path) -> None:
     runc.stop(ids[0][0])
     assert list(containers(control_tree)[0]) == [ids[1][0][:12]]
     runc.stop(ids[1][0])
+    assert containers(control_tree) == EMPTY
+
+
+def test_container_that_exits_by_itself_leaves_nothing(runc: Runc, control_tree: Path) -> None:
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "2", "NVIDIA_VISIBLE_DEVICES": "1,3"}
+    container_id, process = runc.start_foreground(env, ("sleep", "2"))
+    seen: dict[int, dict[str, tuple[int, int, int, int]]] = {}
+    deadline = time.monotonic() + 30
+    while process.poll() is None and time.monotonic() < deadline:
+        tree = containers(control_tree)
+        if tree[1] and tree[3]:
+            seen = tree
+            break
+        time.sleep(0.05)
+    assert process.wait(timeout=60) == 0
+    id12 = container_id[:12]
+    assert seen == {0: {}, 1: {id12: (TOTALS[1] * 2 // 16, 1, 0, 0)}, 2: {},
+                    3: {id12: (TOTALS[3] * 2 // 16, 1, 0, 0)}}
+    assert runc.status(container_id) == "absent"
     assert containers(control_tree) == EMPTY
