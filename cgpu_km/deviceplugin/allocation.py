@@ -20,7 +20,7 @@ ID_SEPARATOR = "-_-"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
-ErrorCode = Literal["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
+ErrorCode = Literal["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE"]
 
 
 class AllocationError(Exception):
@@ -156,13 +156,30 @@ class Inventory:
         units = pinned + rest[: size - len(pinned)]
         return [device_id(chosen.uuid, j) for j in units]
 
-    def allocate(self, container_requests: Sequence[Sequence[str]]) -> list[dict[str, str]]:
-        """The environment for each container of one Allocate call (one pod)."""
+    def allocate(
+        self, container_requests: Sequence[Sequence[str]], gpu_index: int | None = None
+    ) -> list[dict[str, str]]:
+        """The environment for each container of one Allocate call (one pod).
+
+        The GPU is the one the device IDs are on, or `gpu_index` when the scheduler
+        extender chose it (then the IDs only count units)."""
+        chosen = None
+        if gpu_index is not None:
+            chosen = next((g for g in self.gpus if g.index == gpu_index), None)
+            if chosen is None:
+                raise AllocationError(
+                    "FAILED_PRECONDITION",
+                    f"the scheduler extender chose GPU {gpu_index}, "
+                    f"which this node does not have (GPUs 0..{len(self.gpus) - 1})",
+                )
         placements: list[tuple[GpuUnits, int]] = []
         for n, ids in enumerate(container_requests):
             groups = self._group(ids, f"container request {n}")
             if not groups:
                 raise AllocationError("INVALID_ARGUMENT", f"container request {n} has no devices")
+            if chosen is not None:
+                placements.append((chosen, len(ids)))
+                continue
             if len(groups) > 1:
                 raise AllocationError(
                     "INVALID_ARGUMENT",
@@ -171,6 +188,14 @@ class Inventory:
                 )
             ((uuid, units),) = groups.items()
             placements.append((self._by_uuid[uuid], len(units)))
+        for gpu in {gpu for gpu, _ in placements}:
+            wanted = sum(units for g, units in placements if g == gpu)
+            if wanted > gpu.units:
+                raise AllocationError(
+                    "RESOURCE_EXHAUSTED",
+                    f"{wanted} units of {self.unit_name()} do not fit on GPU {gpu.index}, "
+                    f"which has {gpu.units}",
+                )
         pod_units = sum(units for _, units in placements)
         return [
             {

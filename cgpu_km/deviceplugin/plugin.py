@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,12 +23,13 @@ from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from cgpu_km.deviceplugin import api_pb2, api_pb2_grpc
 from cgpu_km.deviceplugin.allocation import UNIT_BYTES, AllocationError, Inventory
+from cgpu_km.deviceplugin.extender import AssumedPod, ExtenderLink, KubeClient, KubeError
 from cgpu_km.deviceplugin.source import GpuSource, NvmlGpuSource
 from cgpu_km.gpus import GpuError
 
@@ -95,10 +97,13 @@ class DeviceState:
 
 
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
-    """The gRPC handlers; every decision is made by the pure Inventory."""
+    """The gRPC handlers; every decision is made by the pure Inventory (and, with the
+    scheduler extender, by the pod it placed)."""
 
-    def __init__(self, state: DeviceState) -> None:
+    def __init__(self, state: DeviceState, extender: ExtenderLink | None = None) -> None:
         self.state = state
+        self.extender = extender
+        self._allocating = threading.Lock()  # two Allocates must not claim the same pod
 
     def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
@@ -135,7 +140,21 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
     ) -> api_pb2.AllocateResponse:
         requests = [list(r.devices_ids) for r in request.container_requests]
-        envs = self._answer(context, lambda: self.state.inventory.allocate(requests))
+        with self._allocating:
+            pod = self._extender_pod(context, sum(len(r) for r in requests))
+            index = None if pod is None else pod.gpu_index
+            envs = self._answer(context, lambda: self.state.inventory.allocate(requests, index))
+            if pod is not None and self.extender is not None:
+                try:
+                    self.extender.mark_assigned(pod)
+                except KubeError as err:
+                    self._abort(context, AllocationError("UNAVAILABLE", str(err)))
+                log.info(
+                    "pod %s/%s: GPU %d, as the scheduler extender chose",
+                    pod.namespace,
+                    pod.name,
+                    pod.gpu_index,
+                )
         for env in envs:
             log.info(
                 "allocated %s units on GPU %s (%s)",
@@ -152,15 +171,38 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
 
+    def _extender_pod(self, context: grpc.ServicerContext, units: int) -> AssumedPod | None:
+        if self.extender is None:
+            return None
+        try:
+            pod = self.extender.find(units)
+        except KubeError as err:
+            self._abort(
+                context,
+                AllocationError(
+                    "UNAVAILABLE", f"cannot ask the API server which GPU the scheduler chose: {err}"
+                ),
+            )
+        if pod is None:
+            log.info(
+                "no pod assumed by the scheduler extender with %d units: placing by device IDs",
+                units,
+            )
+        return pod
+
     @staticmethod
-    def _answer(context: grpc.ServicerContext, decide: Callable[[], T]) -> T:
+    def _abort(context: grpc.ServicerContext, err: AllocationError) -> NoReturn:
+        log.warning("refused: %s", err.message)
+        context.abort(getattr(grpc.StatusCode, err.code), err.message)
+        raise err  # not reached: abort raises
+
+    @classmethod
+    def _answer(cls, context: grpc.ServicerContext, decide: Callable[[], T]) -> T:
         """decide(), or abort the RPC with the refusal's status code and message."""
         try:
             return decide()
         except AllocationError as err:
-            log.warning("refused: %s", err.message)
-            context.abort(getattr(grpc.StatusCode, err.code), err.message)
-            raise  # not reached: abort raises
+            cls._abort(context, err)
 
 
 def plugin_options() -> api_pb2.DevicePluginOptions:
@@ -195,9 +237,13 @@ def _socket_key(path: Path) -> tuple[int, int, int] | None:
 class DevicePlugin:
     """Serves the socket, registers with the kubelet, polls health; `run` until `stop`."""
 
-    def __init__(self, source: GpuSource, config: Config) -> None:
+    def __init__(
+        self, source: GpuSource, config: Config, extender: ExtenderLink | None = None
+    ) -> None:
         self.config = config
         self.source = source
+        self.extender = extender
+        self._gpu_count_published = extender is None
         self.state = DeviceState(Inventory(source.gpus(), config.unit_bytes))
         size = self.state.snapshot()[1].ByteSize()
         if size > KUBELET_MAX_MESSAGE:
@@ -221,7 +267,7 @@ class DevicePlugin:
         self.state.reopen()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="dp"))
         api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
-            DevicePluginServicer(self.state), server
+            DevicePluginServicer(self.state, self.extender), server
         )
         if server.add_insecure_port(f"unix://{path}") == 0:
             raise OSError(f"cannot listen on {path}")
@@ -280,6 +326,22 @@ class DevicePlugin:
                 return
             self._last_error = ""
             self._registered_with = kubelet
+            self._gpu_count_published = self.extender is None
+        self._publish_gpu_count()
+
+    def _publish_gpu_count(self) -> None:
+        """Tell the scheduler extender how many GPUs this node has (after each registration,
+        retried each tick until it works)."""
+        if self._gpu_count_published or self.extender is None:
+            return
+        count = len(self.state.inventory.gpus)
+        try:
+            self.extender.publish_gpu_count(count)
+        except KubeError as err:
+            log.warning("publishing aliyun.com/gpu-count failed (will retry): %s", err)
+            return
+        self._gpu_count_published = True
+        log.info("node %s: aliyun.com/gpu-count=%d", self.extender.node, count)
 
     def poll_health(self) -> None:
         self.state.set_health(self.source.health())
@@ -339,6 +401,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1.0,
         help="seconds between checks of the kubelet socket (default: %(default)s)",
     )
+    parser.add_argument(
+        "--scheduler-extender",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="follow the GPU chosen by gpushare's scheduler extender (pod annotations) and "
+        "publish aliyun.com/gpu-count; auto: when running in a pod with a node name "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME", ""),
+        help="this node's name, for the scheduler extender (default: $NODE_NAME)",
+    )
     args = parser.parse_args(argv)
     if "/" in args.endpoint or not args.endpoint:
         parser.error(f"--endpoint must be a plain file name, got {args.endpoint!r}")
@@ -346,6 +421,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     return args
+
+
+def extender_link(
+    mode: str,
+    node: str,
+    resource: str,
+    make_client: Callable[[], KubeClient] = KubeClient.in_cluster,
+) -> ExtenderLink | None:
+    """The link to gpushare's scheduler extender for `--scheduler-extender` mode; KubeError
+    when mode is `on` and the plugin cannot reach the API server as a pod."""
+    if mode == "off":
+        return None
+    try:
+        if not node:
+            raise KubeError("no node name: set --node-name or NODE_NAME")
+        client = make_client()
+    except KubeError as err:
+        if mode == "on":
+            raise
+        log.info("scheduler extender support off: %s", err)
+        return None
+    log.info("following gpushare's scheduler extender for pods on node %s", node)
+    return ExtenderLink(client, node, resource)
+
+
+def _fail(message: object, code: int) -> int:
+    print(f"cgpu-device-plugin: {message}", file=sys.stderr)
+    return code
 
 
 def main(argv: Sequence[str] | None = None, source: GpuSource | None = None) -> int:
@@ -360,25 +463,22 @@ def main(argv: Sequence[str] | None = None, source: GpuSource | None = None) -> 
         watch_interval=args.watch_interval,
     )
     if not config.kubelet_socket.parent.is_dir():
-        print(
-            f"cgpu-device-plugin: {config.kubelet_socket.parent} is not a directory",
-            file=sys.stderr,
-        )
-        return 2
+        return _fail(f"{config.kubelet_socket.parent} is not a directory", 2)
+    try:
+        extender = extender_link(args.scheduler_extender, args.node_name, args.resource_name)
+    except KubeError as err:
+        return _fail(f"--scheduler-extender=on: {err}", 2)
     if source is None:
         try:
             source = NvmlGpuSource()
         except GpuError as err:
-            print(f"cgpu-device-plugin: {err}", file=sys.stderr)
-            return 1
+            return _fail(err, 1)
     if not source.gpus():
-        print("cgpu-device-plugin: no GPUs found on this node", file=sys.stderr)
-        return 1
+        return _fail("no GPUs found on this node", 1)
     try:
-        plugin = DevicePlugin(source, config)
+        plugin = DevicePlugin(source, config, extender)
     except ValueError as err:
-        print(f"cgpu-device-plugin: {err}", file=sys.stderr)
-        return 2
+        return _fail(err, 2)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
