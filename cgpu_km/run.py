@@ -1,0 +1,242 @@
+"""`cgpu-run`: run a command as a transient managed container on a bare host.
+
+    cgpu-run [--gpu LIST] [--memsize BYTES] [--weight W] [--highprio]
+             [--util-limit P] [--egpu [--oom-script PATH]] -- CMD ...
+
+It registers the container on each GPU in the control tree, creates its
+shared-memory region, runs CMD with libcgpu preloaded (LD_PRELOAD, CGPU_REGION,
+CUDA_VISIBLE_DEVICES), forwards signals to it, and on any exit removes the
+region and the container. The exit status is CMD's (128+N for signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from cgpu_km import gpus as gpus_mod
+from cgpu_km import region as region_mod
+from cgpu_km import treefs
+
+LIBCGPU_ENV = "CGPU_LIBCGPU"
+CTX_BYTES_ENV = "CGPU_CTX_BYTES"
+SIMGPU_CONTEXT_MEM = 300 << 20  # simgpu's default context memory (SIMGPU_CONTEXT_MEM)
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2)
+
+
+class RunError(Exception):
+    """A bad argument or a setup failure; `str(error)` is the one-line message."""
+
+
+def libcgpu_path() -> Path:
+    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`."""
+    override = os.environ.get(LIBCGPU_ENV)
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[1] / "libcgpu" / "libcgpu.so"
+
+
+def default_ctx_bytes(simulated: bool, env: dict[str, str] | None = None) -> int:
+    """Bytes charged per process context: $CGPU_CTX_BYTES, else simgpu's
+    context memory on the simulated GPU, else 0 (not charged)."""
+    source = os.environ if env is None else env
+    if source.get(CTX_BYTES_ENV):
+        return int(source[CTX_BYTES_ENV])
+    if simulated:
+        return int(source.get("SIMGPU_CONTEXT_MEM") or SIMGPU_CONTEXT_MEM)
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        indexes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of GPU indexes: {text!r}") from None
+    if any(i < 0 for i in indexes) or len(set(indexes)) != len(indexes):
+        raise argparse.ArgumentTypeError(f"GPU indexes must be distinct and >= 0: {text!r}")
+    return indexes
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="cgpu-run", description="Run CMD as a transient container with GPU limits.")
+    parser.add_argument("--root", help="control tree (default: $CGPU_KM_ROOT, /proc/cgpu_km, "
+                        "/run/cgpu_km)")
+    parser.add_argument("--gpu", type=_gpu_list, default=[0], help="host GPU indexes, e.g. 0,2")
+    parser.add_argument("--memsize", type=_positive, help="memory limit in bytes on each GPU")
+    parser.add_argument("--weight", type=int, help="compute weight (tree default 1)")
+    parser.add_argument("--highprio", action="store_true", help="high priority")
+    parser.add_argument("--util-limit", type=int, help="eGPU: at most P percent of GPU time")
+    parser.add_argument("--egpu", action="store_true", help="eGPU mode: over-limit "
+                        "allocations run the OOM script and stop the process")
+    parser.add_argument("--oom-script", default="", help="eGPU: program to run before stopping")
+    parser.add_argument("--name", help="container id (default: run-<pid>)")
+    parser.add_argument("--ctx-bytes", type=int, help="bytes charged per process context")
+    parser.add_argument("--no-tree", action="store_true",
+                        help="do not register in the control tree (region and library only)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("no command given (cgpu-run [options] -- CMD ...)")
+    return args
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    root: Path | None
+    region_path: Path
+    env: dict[str, str]
+
+
+def _add_command(gpu: int, name: str, args: argparse.Namespace) -> str:
+    parts = [f"add {gpu} {name}"]
+    if args.memsize is not None:
+        parts.append(f"memsize={args.memsize}")
+    if args.weight is not None:
+        parts.append(f"weight={args.weight}")
+    if args.highprio:
+        parts.append("highprio=1")
+    if args.util_limit is not None:
+        parts.append(f"util_limit={args.util_limit}")
+    return " ".join(parts)
+
+
+def _register(root: Path, name: str, args: argparse.Namespace) -> list[int]:
+    """Add the container on every GPU; on failure undo and raise RunError."""
+    added: list[int] = []
+    for gpu in args.gpu:
+        try:
+            treefs.inst_ctl(root, _add_command(gpu, name, args))
+        except OSError as error:
+            for done in added:
+                with contextlib.suppress(OSError):
+                    treefs.inst_ctl(root, f"del {done} {name}")
+            raise RunError(f"cannot register {name} on GPU {gpu} in {root}: "
+                           f"{error.strerror or error}") from None
+        added.append(gpu)
+    return added
+
+
+def _limit(root: Path | None, gpu: gpus_mod.GpuInfo, name: str,
+           memsize: int | None) -> int:
+    if memsize is not None:
+        return memsize
+    if root is not None:
+        value = treefs.read_int(root / str(gpu.index) / name / "memsize")
+        if value > 0:
+            return value
+    return gpu.memory_total
+
+
+@contextlib.contextmanager
+def managed(args: argparse.Namespace) -> Iterator[Setup]:
+    """Register, create the region, yield the child's environment; always clean up."""
+    library = libcgpu_path()
+    if not library.is_file():
+        raise RunError(f"{library} not found: build it with `make -C libcgpu` "
+                       f"or set {LIBCGPU_ENV}")
+    name = args.name or f"run-{os.getpid()}"
+    if not NAME_RE.match(name):
+        raise RunError(f"bad container id {name!r}: 1 to 64 of [A-Za-z0-9_.-]")
+    try:
+        host_gpus = gpus_mod.discover_gpus()
+    except gpus_mod.GpuError as error:
+        raise RunError(str(error)) from None
+    by_index = {g.index: g for g in host_gpus}
+    unknown = [i for i in args.gpu if i not in by_index]
+    if unknown:
+        raise RunError(f"--gpu: no GPU {unknown[0]} on this host ({len(host_gpus)} GPUs)")
+    if args.oom_script and not args.egpu:
+        raise RunError("--oom-script needs --egpu")
+    simulated = gpus_mod.simulate_requested() or not Path("/dev/nvidiactl").exists()
+    ctx_bytes = args.ctx_bytes if args.ctx_bytes is not None else default_ctx_bytes(simulated)
+
+    root = None if args.no_tree else treefs.resolve_root(args.root)
+    if root is not None and not (root / "inst_ctl").exists():
+        raise RunError(f"no control tree at {root} (start cgpu-fuse or load cgpu_km.ko, "
+                       f"or pass --no-tree)")
+    added = _register(root, name, args) if root is not None else []
+    path = region_mod.region_path(name)
+    try:
+        specs = [region_mod.GpuSpec(limit=_limit(root, by_index[i], name, args.memsize),
+                                    uuid=by_index[i].uuid, host_index=i, ctx_bytes=ctx_bytes)
+                 for i in args.gpu]
+        region_mod.Region.create(path, name, specs, mode="egpu" if args.egpu else "cgpu",
+                                 oom_script=args.oom_script).close()
+        env = dict(os.environ)
+        preload = env.get("LD_PRELOAD", "")
+        env["LD_PRELOAD"] = f"{library}:{preload}" if preload else str(library)
+        env[region_mod.REGION_ENV] = str(path)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(by_index[i].uuid for i in args.gpu)
+        if args.egpu and args.oom_script:
+            env["ALIYUN_COM_GPU_OOM_SCRIPT"] = args.oom_script
+        yield Setup(name=name, root=root, region_path=path, env=env)
+    finally:
+        region_mod.Region.remove(path)
+        if root is not None:
+            for gpu in added:
+                with contextlib.suppress(OSError):
+                    treefs.inst_ctl(root, f"del {gpu} {name}")
+
+
+def run_child(command: list[str], env: dict[str, str]) -> int:
+    """Run the command, forwarding signals; its exit status (128+N when killed by N)."""
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as error:
+        raise RunError(f"cannot run {command[0]}: {error.strerror or error}") from None
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        while True:
+            try:
+                status = child.wait()
+                break
+            except InterruptedError:
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - status if status < 0 else status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        with managed(args) as setup:
+            return run_child(args.command, setup.env)
+    except RunError as error:
+        print(f"cgpu-run: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
