@@ -1,0 +1,531 @@
+"""cgpu-daemon: the host daemon (trio) that turns the control tree into gate decisions.
+
+Responsibilities, each its own task or nursery (see `Daemon.run`):
+
+- tree: every period it polls the per-GPU nodes and the container names
+  (so `echo 2 > <root>/0/policy` acts within one period), and re-reads every
+  container's nodes when the set changes, every `--tree-refresh` seconds and
+  on SIGHUP; it also watches `upgrade`.
+- accounting: every period one sample of the data plane (GPU time used and
+  activity per container), handed to the GPU schedulers.
+- schedulers: one task per GPU running a `cgpu_km.sched.GateScheduler` and
+  driving that GPU's gates; plus the heartbeat that keeps gates from failing open.
+- memory: NVML's per-process memory, fed into the tree (`meminfo`), and the
+  backstop that stops processes of a container over its limit.
+- publishing: the snapshot for `cgpu-smi` and Prometheus, the state file.
+- systemd: READY, WATCHDOG (only while the schedulers tick), RELOADING, STOPPING.
+
+Signals: TERM/INT open every gate, save the state and exit 0; HUP reloads.
+Writing 1 to `upgrade` saves the state and re-executes the daemon (same pid,
+so systemd keeps tracking it); the new process restores the state, writes
+`upgrade` 0 and carries on. After a crash or a restart the daemon reattaches
+to the tree and the regions as they are and restores the scheduler credits
+from the state file when it is recent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from cgpu_km import treefs
+from cgpu_km.daemon_io import FsTree, GpuNodes, Key, Plane, PlaneSample, QuickView, Tree
+from cgpu_km.sched import ContainerSpec, GateDecision, GateScheduler, GpuConfig
+from cgpu_km.sdnotify import Notifier, watchdog_interval
+
+log = logging.getLogger("cgpu-daemon")
+
+T = TypeVar("T")
+Blocking = Callable[[Callable[[], T]], Awaitable[T]]
+
+STATE_FORMAT = 1
+STATE_NAME = "daemon-state.json"
+UPGRADED_ENV = "CGPU_DAEMON_UPGRADED"
+# Scheduler credits older than this are not restored (the world moved on).
+STATE_MAX_AGE = 60.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Timing knobs (seconds)."""
+
+    period: float = 0.05
+    tree_refresh: float = 1.0
+    memory_interval: float = 0.5
+    publish_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("period", "tree_refresh", "memory_interval", "publish_interval"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def gpu_config(nodes: GpuNodes, specs: Mapping[str, ContainerSpec]) -> GpuConfig:
+    return GpuConfig(
+        policy=nodes.policy,  # type: ignore[arg-type]  # GpuConfig converts and checks
+        max_inst=nodes.max_inst,
+        prio_ratio=nodes.prio_ratio,
+        containers={n: specs.get(n, ContainerSpec(weight=0)) for n in sorted(nodes.containers)},
+    )
+
+
+@dataclass
+class GpuState:
+    """One GPU's live state: its scheduler and what it decided last."""
+
+    index: int
+    scheduler: GateScheduler
+    samples: trio.MemorySendChannel[PlaneSample]
+    inbox: trio.MemoryReceiveChannel[PlaneSample]
+    decision: GateDecision | None = None
+    ticks: int = 0
+
+
+@dataclass
+class DaemonView:
+    """What the daemon knows of the tree (merged from quick polls and full reads)."""
+
+    nodes: dict[int, GpuNodes] = field(default_factory=dict)
+    specs: dict[Key, ContainerSpec] = field(default_factory=dict)
+    memsize: dict[Key, int] = field(default_factory=dict)
+
+    def config(self, gpu: int) -> GpuConfig:
+        nodes = self.nodes[gpu]
+        specs = {n: s for (g, n), s in self.specs.items() if g == gpu}
+        return gpu_config(nodes, specs)
+
+
+async def _in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+    return await trio.to_thread.run_sync(fn, limiter=limiter)
+
+
+class Daemon:
+    """The daemon's state and services; `run` is the whole program minus argv."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        plane: Plane,
+        *,
+        state_dir: Path,
+        settings: Settings | None = None,
+        notifier: Notifier | None = None,
+        blocking: Blocking[Any] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        restart: Callable[[], None] | None = None,
+    ) -> None:
+        self.tree = tree
+        self.plane = plane
+        self.state_dir = state_dir
+        self.settings = settings or Settings()
+        self.notifier = notifier or Notifier({})
+        self.wall_clock = wall_clock
+        self.restart = restart
+        if blocking is None:
+            limiter = trio.CapacityLimiter(1)
+            blocking = partial(_in_thread, limiter=limiter)
+        self._blocking: Blocking[Any] = blocking
+        self.view = DaemonView()
+        self.gpus: dict[int, GpuState] = {}
+        self.fed_meminfo: dict[Key, dict[int, int]] = {}
+        self.last_tick = 0.0
+        self.upgrading = False
+        self._saved_state: dict[str, Any] | None = None
+        self._gpu_nursery: trio.Nursery | None = None
+        self._tree_error: str | None = None
+
+    # -- the tree ------------------------------------------------------------
+
+    async def _read_full(self) -> None:
+        view = await self._blocking(self.tree.read)
+        nodes: dict[int, GpuNodes] = {}
+        specs: dict[Key, ContainerSpec] = {}
+        memsize: dict[Key, int] = {}
+        for gpu in view.gpus:
+            nodes[gpu.index] = GpuNodes(
+                policy=gpu.policy, max_inst=gpu.max_inst, prio_ratio=gpu.prio_ratio,
+                containers=frozenset(gpu.containers),
+            )
+            for name, ctr in gpu.containers.items():
+                specs[gpu.index, name] = ContainerSpec(
+                    weight=ctr.weight, highprio=bool(ctr.highprio), util_limit=ctr.util_limit
+                )
+                memsize[gpu.index, name] = ctr.memsize
+        self.view = DaemonView(nodes=nodes, specs=specs, memsize=memsize)
+        await self._blocking(partial(self.plane.attach, view))
+        self._apply()
+
+    def _merge_quick(self, quick: QuickView) -> bool:
+        """Take the polled nodes; True when containers came or went (full read needed)."""
+        changed = set(quick.gpus) != set(self.view.nodes) or any(
+            quick.gpus[g].containers != self.view.nodes[g].containers for g in quick.gpus
+        )
+        if not changed and quick.gpus != self.view.nodes:
+            self.view.nodes = dict(quick.gpus)
+            self._apply()
+        return changed
+
+    def _apply(self) -> None:
+        """Push the view into the GPU schedulers, creating or dropping GPUs."""
+        for index in list(self.gpus):
+            if index not in self.view.nodes:
+                self.gpus.pop(index).samples.close()
+        for index in self.view.nodes:
+            config = self.view.config(index)
+            state = self.gpus.get(index)
+            if state is None:
+                send, receive = trio.open_memory_channel[PlaneSample](1)
+                scheduler = GateScheduler(config, period=self.settings.period)
+                saved = (self._saved_state or {}).get("gpus", {}).get(str(index))
+                if saved:
+                    scheduler.restore(saved)
+                state = GpuState(index, scheduler, send, receive)
+                self.gpus[index] = state
+                if self._gpu_nursery is not None:
+                    self._gpu_nursery.start_soon(self._serve_gpu, state)
+            elif state.scheduler.config != config:
+                state.scheduler.configure(config)
+
+    async def _serve_tree(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                          ) -> None:
+        period = self.settings.period
+        while True:
+            try:
+                await self._read_full()
+                break
+            except OSError as error:
+                self._note_tree_error(error)
+                await trio.sleep(period)
+        self._note_tree_ok()
+        await self._finish_upgrade_if_restarted()
+        task_status.started()
+        next_full = trio.current_time() + self.settings.tree_refresh
+        deadline = trio.current_time()
+        while True:
+            deadline += period
+            await trio.sleep_until(deadline)
+            try:
+                quick = await self._blocking(self.tree.read_quick)
+                if self._merge_quick(quick) or trio.current_time() >= next_full:
+                    await self._read_full()
+                    next_full = trio.current_time() + self.settings.tree_refresh
+                self._note_tree_ok()
+            except OSError as error:
+                self._note_tree_error(error)
+                continue
+            if quick.upgrade == 1 and self.restart is not None and not self.upgrading:
+                await self._upgrade()
+
+    def _note_tree_error(self, error: OSError) -> None:
+        message = f"cannot read the control tree: {error}"
+        if message != self._tree_error:
+            log.error("%s", message)
+            self._tree_error = message
+
+    def _note_tree_ok(self) -> None:
+        if self._tree_error is not None:
+            log.info("control tree readable again")
+            self._tree_error = None
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the whole tree and reattach the regions."""
+        self.notifier.reloading(time.monotonic_ns() // 1000)
+        try:
+            await self._read_full()
+            log.info("reloaded: %d GPUs, %d containers", len(self.view.nodes), len(self.view.specs))
+        except OSError as error:
+            self._note_tree_error(error)
+        self.notifier.ready(self._status())
+
+    # -- accounting and the schedulers ---------------------------------------
+
+    async def _serve_accounting(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        deadline = trio.current_time()
+        while True:
+            sample = await self._blocking(self.plane.sample)
+            for state in list(self.gpus.values()):
+                with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
+                    state.samples.send_nowait(sample)
+            await self._blocking(self.plane.heartbeat)
+            deadline += self.settings.period
+            await trio.sleep_until(deadline)
+
+    async def _serve_gpu(self, state: GpuState) -> None:
+        async for sample in state.inbox:
+            now = trio.current_time()
+            usage = {n: u for (g, n), u in sample.usage.items() if g == state.index}
+            active = {n for (g, n) in sample.active if g == state.index}
+            decision = state.scheduler.step(now, usage, active)
+            if state.decision is None or decision.open != state.decision.open:
+                await self._blocking(partial(self.plane.set_gates, state.index, decision.open))
+            state.decision = decision
+            state.ticks += 1
+            self.last_tick = now
+
+    async def _serve_schedulers(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with trio.open_nursery() as nursery:
+            self._gpu_nursery = nursery
+            for state in self.gpus.values():
+                nursery.start_soon(self._serve_gpu, state)
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- memory: meminfo feed and backstop -----------------------------------
+
+    async def _serve_memory(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        deadline = trio.current_time()
+        while True:
+            try:
+                memory = await self._blocking(self.plane.memory)
+            except OSError as error:
+                log.warning("cannot read GPU memory: %s", error)
+            else:
+                await self._feed_meminfo(memory.by_container)
+                await self._backstop(memory.by_container)
+            deadline += self.settings.memory_interval
+            await trio.sleep_until(deadline)
+
+    async def _feed_meminfo(self, by_container: Mapping[Key, Mapping[int, int]]) -> None:
+        for key in self.view.specs:
+            procs = dict(by_container.get(key, {}))
+            if self.fed_meminfo.get(key) == procs:
+                continue
+            try:
+                await self._blocking(partial(self.tree.feed_meminfo, key[0], key[1], procs))
+            except OSError as error:
+                log.debug("meminfo %s on GPU %d not fed: %s", key[1], key[0], error)
+                continue
+            self.fed_meminfo[key] = procs
+        for key in set(self.fed_meminfo) - set(self.view.specs):
+            del self.fed_meminfo[key]
+
+    async def _backstop(self, by_container: Mapping[Key, Mapping[int, int]]) -> None:
+        for key, procs in by_container.items():
+            limit = self.view.memsize.get(key, 0)
+            over = over_limit(procs, limit)
+            if over:
+                log.warning(
+                    "container %s on GPU %d holds %d bytes over its limit of %d: stopping pids %s",
+                    key[1], key[0], sum(procs.values()) - limit, limit,
+                    " ".join(map(str, over)),
+                )
+                await self._blocking(partial(self.plane.stop, key[0], key[1], over))
+
+    # -- publishing, state, systemd ------------------------------------------
+
+    def state_path(self) -> Path:
+        return self.state_dir / STATE_NAME
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "pid": os.getpid(),
+            "saved": self.wall_clock(),
+            "gpus": {str(i): s.scheduler.to_state() for i, s in self.gpus.items()},
+        }
+
+    def save_state(self) -> None:
+        path = self.state_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(self.state(), sort_keys=True))
+        os.replace(temporary, path)
+
+    def load_state(self) -> None:
+        """Take the previous daemon's credits, if its state file is recent and sound."""
+        try:
+            data = json.loads(self.state_path().read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as error:
+            log.warning("ignoring state file %s: %s", self.state_path(), error)
+            return
+        if not isinstance(data, dict) or data.get("format") != STATE_FORMAT:
+            log.warning("ignoring state file %s: unknown format", self.state_path())
+            return
+        age = self.wall_clock() - float(data.get("saved", 0))
+        if not 0 <= age <= STATE_MAX_AGE:
+            log.info("state file is %.0f s old: starting with fresh credits", age)
+            return
+        self._saved_state = data
+        log.info("restored scheduler state saved %.1f s ago", age)
+
+    async def _serve_publish(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(self.settings.publish_interval)
+            try:
+                self.save_state()
+            except OSError as error:
+                log.warning("cannot save state: %s", error)
+
+    async def _serve_watchdog(self, interval: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            # Ping only while the schedulers tick: a stuck daemon gets restarted.
+            stalled = self.gpus and trio.current_time() - self.last_tick > max(
+                interval * 2, self.settings.period * 10
+            )
+            if not stalled:
+                self.notifier.watchdog()
+
+    def _status(self) -> str:
+        return f"{len(self.gpus)} GPUs, {len(self.view.specs)} containers"
+
+    async def _finish_upgrade_if_restarted(self) -> None:
+        if os.environ.get(UPGRADED_ENV) != "1":
+            return
+        os.environ.pop(UPGRADED_ENV, None)
+        try:
+            await self._blocking(self.tree.finish_upgrade)
+            log.info("hot update done")
+        except OSError as error:
+            log.error("cannot write 0 to upgrade: %s", error)
+
+    async def _upgrade(self) -> None:
+        """`upgrade` reads 1: save everything and re-execute (the caller's `restart`)."""
+        assert self.restart is not None
+        self.upgrading = True
+        log.info("hot update requested: re-executing with state kept")
+        self.notifier.reloading(time.monotonic_ns() // 1000)
+        self.save_state()
+        os.environ[UPGRADED_ENV] = "1"
+        self.restart()
+
+    # -- the whole -----------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every service, report READY, and run until cancelled; fail open on the way out."""
+        self.load_state()
+        try:
+            async with trio.open_nursery() as services:
+                await services.start(self._serve_tree)
+                await services.start(self._serve_schedulers)
+                await services.start(self._serve_accounting)
+                await services.start(self._serve_memory)
+                await services.start(self._serve_publish)
+                interval = watchdog_interval()
+                if interval is not None:
+                    services.start_soon(self._serve_watchdog, interval)
+                self.last_tick = trio.current_time()
+                self.notifier.ready(self._status())
+                log.info("running: %s, period %.3f s", self._status(), self.settings.period)
+                task_status.started()
+        finally:
+            if not self.upgrading:
+                self.notifier.stopping()
+                self.shutdown()
+
+    def shutdown(self) -> None:
+        """Fail open and keep the credits for the next daemon (synchronous, never raises)."""
+        try:
+            self.plane.open_all()
+        except Exception as error:  # the gates must open: log whatever failed
+            log.error("opening the gates failed: %s", error)
+        with contextlib.suppress(OSError):
+            if self.gpus:
+                self.save_state()
+
+
+def over_limit(procs: Mapping[int, int], limit: int) -> list[int]:
+    """The processes to stop so that the rest fit in `limit` (largest first); [] if within."""
+    if limit <= 0:
+        return []
+    total = sum(procs.values())
+    chosen: list[int] = []
+    for pid, size in sorted(procs.items(), key=lambda item: (-item[1], item[0])):
+        if total <= limit:
+            break
+        chosen.append(pid)
+        total -= size
+    return chosen
+
+
+async def run_with_signals(daemon: Daemon) -> None:
+    """The daemon plus the main task's signal handling: TERM/INT stop, HUP reloads."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.run)
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    nursery.start_soon(daemon.reload)
+                    continue
+                log.info("%s: opening every gate and exiting", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="cgpu-daemon", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", help="control tree (default: $CGPU_KM_ROOT, /proc/cgpu_km "
+                        "if present, else /run/cgpu_km)")
+    parser.add_argument("--state-dir", help="where the state file and the snapshot live "
+                        "(default: $CGPU_STATE_DIR, else /run/cgpu_km-daemon)")
+    parser.add_argument("--region-dir", help="containers' shared-memory regions "
+                        "(default: $CGPU_REGION_DIR, else /run/cgpu_km-regions)")
+    parser.add_argument("--period", type=float, default=Settings.period,
+                        help="scheduling period in seconds (default %(default)s)")
+    parser.add_argument("--tree-refresh", type=float, default=Settings.tree_refresh,
+                        help="seconds between full re-reads of every container's nodes")
+    parser.add_argument("--metrics", default=None,
+                        help="serve Prometheus metrics on HOST:PORT ('' or 'off' to disable)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="cgpu-daemon: %(message)s", stream=sys.stderr,
+    )
+    try:
+        settings = Settings(period=args.period, tree_refresh=args.tree_refresh)
+    except ValueError as error:
+        print(f"cgpu-daemon: {error}", file=sys.stderr)
+        return 2
+    from cgpu_km import snapshot
+    from cgpu_km.daemon_plane import make_plane
+
+    root = treefs.resolve_root(args.root)
+    state_dir = snapshot.resolve_state_dir(args.state_dir)
+    plane = make_plane(args.region_dir)
+    argv_now = list(sys.argv)
+
+    def restart() -> None:
+        os.execv(sys.executable, [sys.executable, "-m", "cgpu_km.daemon", *argv_now[1:]])
+
+    daemon = Daemon(FsTree(root), plane, state_dir=state_dir, settings=settings,
+                    notifier=Notifier(), restart=restart)
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(run_with_signals, daemon)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
