@@ -99,7 +99,10 @@ class KubeClient:
             token = (account / "token").read_text().strip()
         except OSError as err:
             raise KubeError(f"no service-account token: {err}") from None
-        context = ssl.create_default_context(cafile=str(account / "ca.crt"))
+        try:
+            context = ssl.create_default_context(cafile=str(account / "ca.crt"))
+        except (OSError, ssl.SSLError) as err:
+            raise KubeError(f"no usable service-account CA certificate: {err}") from None
         host = f"[{host}]" if ":" in host else host
         return cls(f"https://{host}:{port}", token, context)
 

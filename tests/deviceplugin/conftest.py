@@ -18,6 +18,7 @@ import pytest
 
 from cgpu_km.deviceplugin import api_pb2, api_pb2_grpc
 from cgpu_km.deviceplugin.allocation import GIB
+from cgpu_km.deviceplugin.extender import ExtenderLink
 from cgpu_km.deviceplugin.plugin import Config, DevicePlugin
 
 MIB = 1 << 20
@@ -131,7 +132,13 @@ class StreamReader:
 class Harness:
     """A DevicePlugin running in a thread against a stub kubelet, with fast intervals."""
 
-    def __init__(self, directory: Path, source: FakeSource, unit_bytes: int = GIB) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        source: FakeSource,
+        unit_bytes: int = GIB,
+        extender: ExtenderLink | None = None,
+    ) -> None:
         self.kubelet = StubKubelet(directory)
         self.kubelet.start()
         self.source = source
@@ -141,12 +148,14 @@ class Harness:
             health_interval=0.05,
             watch_interval=0.05,
         )
-        self.plugin = DevicePlugin(source, config)
+        self.plugin = DevicePlugin(source, config, extender)
         self.socket = config.plugin_socket
         self.uuids = [g.uuid for g in source.gpus()]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.plugin.run, args=(self._stop,), daemon=True)
         self._thread.start()
+        # Dialling before the socket exists would cost the client a 1 s reconnect backoff.
+        wait_for(self.socket.exists, what="the plugin socket")
 
     def client(self) -> AbstractContextManager[api_pb2_grpc.DevicePluginStub]:
         return plugin_channel(self.socket)
@@ -191,8 +200,10 @@ def make_harness(sock_dir: Path) -> Iterator[Callable[..., Harness]]:
     """Start a plugin on a source (and unit size) of the test's choosing; stopped at teardown."""
     started: list[Harness] = []
 
-    def start(source: FakeSource, unit_bytes: int = GIB) -> Harness:
-        started.append(Harness(sock_dir, source, unit_bytes))
+    def start(
+        source: FakeSource, unit_bytes: int = GIB, extender: ExtenderLink | None = None
+    ) -> Harness:
+        started.append(Harness(sock_dir, source, unit_bytes, extender))
         return started[-1]
 
     yield start
