@@ -170,3 +170,21 @@ def test_duplicate_uuids_are_refused() -> None:
     gpu = Gpu(0, "GPU-same", GIB)
     with pytest.raises(ValueError, match="same UUID"):
         Inventory([gpu, Gpu(1, "GPU-same", GIB)], GIB)
+
+
+def test_allocate_on_the_gpu_the_extender_chose(inv: Inventory) -> None:
+    (env,) = inv.allocate([ids(0, range(4))], gpu_index=2)
+    assert (env["NVIDIA_VISIBLE_DEVICES"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == (U[2], "4")
+    with pytest.raises(AllocationError, match="chose GPU 9, which this node does not have") as err:
+        inv.allocate([ids(0, range(4))], gpu_index=9)
+    assert err.value.code == "FAILED_PRECONDITION"
+
+
+def test_allocate_more_units_than_the_gpu_has_is_resource_exhausted() -> None:
+    small = Inventory([Gpu(0, "GPU-small", 4 * GIB), Gpu(1, "GPU-big", 16 * GIB)], GIB)
+    big_ids = [device_id("GPU-big", j) for j in range(6)]
+    with pytest.raises(
+        AllocationError, match="6 units of GiB do not fit on GPU 0, which has 4"
+    ) as err:
+        small.allocate([big_ids], gpu_index=0)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
