@@ -1,0 +1,641 @@
+/*
+ * nvml.c: the simulated NVML (libnvidia-ml.so.1), reading the shared
+ * device model that the simulated driver writes (state.c).
+ *
+ * Process lists show every live process that holds a context on the
+ * device, with its memory (allocations plus context memory). Process PIDs
+ * are those seen from the caller's PID namespace (the kernel translates the
+ * owner of the process's liveness lock), else the PID the process recorded.
+ * Utilization comes from the engine's log of kernel intervals.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#define NVML_NO_UNVERSIONED_FUNCTION_DEFS
+#pragma GCC visibility push(default)
+#include "nvml.h"
+#pragma GCC visibility pop
+
+#include "state.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define DEV_MAGIC 0x4e564d4cU
+#define DRIVER_VERSION "570.124.06"
+#define NVML_VERSION "12.570.124.06"
+#define CUDA_DRIVER_VERSION 12080
+#define NOT_AVAILABLE_U32 0xFFFFFFFFU
+
+struct nvml_dev {
+    uint32_t magic;
+    int phys;
+    unsigned index;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned g_init_count;
+static unsigned g_ndev;
+static struct nvml_dev g_devs[SIM_MAX_DEVICES];
+static uint64_t g_util_window_ns;
+
+/* ---------- init and errors ---------- */
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags;
+    nvmlReturn_t rc = NVML_SUCCESS;
+    pthread_mutex_lock(&g_mu);
+    if (sim_attach() != 0) {
+        rc = NVML_ERROR_DRIVER_NOT_LOADED;
+    } else {
+        int map[SIM_MAX_DEVICES];
+        g_ndev = (unsigned)sim_process_devices(map, SIM_MAX_DEVICES);
+        for (unsigned i = 0; i < g_ndev; i++) {
+            g_devs[i].magic = DEV_MAGIC;
+            g_devs[i].phys = map[i];
+            g_devs[i].index = i;
+        }
+        g_util_window_ns = sim_env_u64("SIMGPU_UTIL_WINDOW_MS", SIM_DEFAULT_UTIL_WINDOW_MS) * 1000000ULL;
+        if (g_util_window_ns == 0)
+            g_util_window_ns = 1000000ULL;
+        g_init_count++;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+nvmlReturn_t nvmlInit_v2(void)
+{
+    return nvmlInitWithFlags(0);
+}
+
+nvmlReturn_t nvmlInit(void)
+{
+    return nvmlInitWithFlags(0);
+}
+
+nvmlReturn_t nvmlShutdown(void)
+{
+    nvmlReturn_t rc = NVML_SUCCESS;
+    pthread_mutex_lock(&g_mu);
+    if (g_init_count == 0)
+        rc = NVML_ERROR_UNINITIALIZED;
+    else
+        g_init_count--; /* the mapping stays: its descriptor must stay open */
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+static const struct {
+    nvmlReturn_t code;
+    const char *text;
+} g_errors[] = {
+    {NVML_SUCCESS, "Success"},
+    {NVML_ERROR_UNINITIALIZED, "Uninitialized"},
+    {NVML_ERROR_INVALID_ARGUMENT, "Invalid Argument"},
+    {NVML_ERROR_NOT_SUPPORTED, "Not Supported"},
+    {NVML_ERROR_NO_PERMISSION, "Insufficient Permissions"},
+    {NVML_ERROR_ALREADY_INITIALIZED, "Already Initialized"},
+    {NVML_ERROR_NOT_FOUND, "Not Found"},
+    {NVML_ERROR_INSUFFICIENT_SIZE, "Insufficient Size"},
+    {NVML_ERROR_INSUFFICIENT_POWER, "Insufficient External Power"},
+    {NVML_ERROR_DRIVER_NOT_LOADED, "Driver Not Loaded"},
+    {NVML_ERROR_TIMEOUT, "Timeout"},
+    {NVML_ERROR_IRQ_ISSUE, "Interrupt Request Issue"},
+    {NVML_ERROR_LIBRARY_NOT_FOUND, "NVML Shared Library Not Found"},
+    {NVML_ERROR_FUNCTION_NOT_FOUND, "Function Not Found"},
+    {NVML_ERROR_CORRUPTED_INFOROM, "Corrupted infoROM"},
+    {NVML_ERROR_GPU_IS_LOST, "GPU is lost"},
+    {NVML_ERROR_RESET_REQUIRED, "GPU requires restart"},
+    {NVML_ERROR_OPERATING_SYSTEM, "The operating system has blocked the request."},
+    {NVML_ERROR_LIB_RM_VERSION_MISMATCH, "RM has detected an NVML/RM version mismatch."},
+    {NVML_ERROR_IN_USE, "In use by another client"},
+    {NVML_ERROR_MEMORY, "Insufficient Memory"},
+    {NVML_ERROR_NO_DATA, "No data"},
+    {NVML_ERROR_VGPU_ECC_NOT_SUPPORTED, "The requested vgpu operation is not available on target device, becasue ECC is enabled"},
+    {NVML_ERROR_INSUFFICIENT_RESOURCES, "Ran out of critical resources, other than memory"},
+    {NVML_ERROR_FREQ_NOT_SUPPORTED, "Ran out of critical resources, other than memory"},
+    {NVML_ERROR_ARGUMENT_VERSION_MISMATCH, "Argument version mismatch"},
+    {NVML_ERROR_DEPRECATED, "Deprecated"},
+    {NVML_ERROR_NOT_READY, "Not Ready"},
+    {NVML_ERROR_GPU_NOT_FOUND, "GPU not found"},
+    {NVML_ERROR_INVALID_STATE, "Invalid state"},
+    {NVML_ERROR_UNKNOWN, "Unknown Error"},
+};
+
+const char *nvmlErrorString(nvmlReturn_t result)
+{
+    for (size_t i = 0; i < sizeof(g_errors) / sizeof(g_errors[0]); i++) {
+        if (g_errors[i].code == result)
+            return g_errors[i].text;
+    }
+    return "Unknown Error";
+}
+
+#define REQUIRE_INIT()                          \
+    do {                                        \
+        if (g_init_count == 0)                  \
+            return NVML_ERROR_UNINITIALIZED;    \
+    } while (0)
+
+static struct nvml_dev *dev_of(nvmlDevice_t device)
+{
+    struct nvml_dev *d = (struct nvml_dev *)device;
+    if (d < g_devs || d >= g_devs + g_ndev || d->magic != DEV_MAGIC)
+        return NULL;
+    return d;
+}
+
+#define REQUIRE_DEV(var, device)                 \
+    REQUIRE_INIT();                              \
+    struct nvml_dev *var = dev_of(device);       \
+    if (!var)                                    \
+        return NVML_ERROR_INVALID_ARGUMENT
+
+static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
+{
+    if (!dst)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) >= length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(dst, src);
+    return NVML_SUCCESS;
+}
+
+/* ---------- system ---------- */
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    REQUIRE_INIT();
+    return copy_string(version, length, DRIVER_VERSION);
+}
+
+nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    return copy_string(version, length, NVML_VERSION);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion)
+{
+    if (!cudaDriverVersion)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *cudaDriverVersion = CUDA_DRIVER_VERSION;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion)
+{
+    return nvmlSystemGetCudaDriverVersion(cudaDriverVersion);
+}
+
+/* ---------- devices ---------- */
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
+{
+    REQUIRE_INIT();
+    if (!deviceCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *deviceCount = g_ndev;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount)
+{
+    return nvmlDeviceGetCount_v2(deviceCount);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    REQUIRE_INIT();
+    if (!device || index >= g_ndev)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = (nvmlDevice_t)&g_devs[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    REQUIRE_INIT();
+    if (!uuid || !device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < g_ndev; i++) {
+        if (strcmp(sim_state()->devices[g_devs[i].phys].uuid, uuid) == 0) {
+            *device = (nvmlDevice_t)&g_devs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+static void bus_ids(int phys, char *full, size_t flen, char *legacy, size_t llen)
+{
+    if (full)
+        snprintf(full, flen, "00000000:%02X:00.0", 0x10 + phys);
+    if (legacy)
+        snprintf(legacy, llen, "0000:%02X:00.0", 0x10 + phys);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+{
+    REQUIRE_INIT();
+    if (!pciBusId || !device)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < g_ndev; i++) {
+        char full[NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE], legacy[NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE];
+        bus_ids(g_devs[i].phys, full, sizeof(full), legacy, sizeof(legacy));
+        if (strcasecmp(full, pciBusId) == 0 || strcasecmp(legacy, pciBusId) == 0) {
+            *device = (nvmlDevice_t)&g_devs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    REQUIRE_DEV(d, device);
+    if (!index)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *index = d->index;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    REQUIRE_DEV(d, device);
+    return copy_string(name, length, sim_state()->devices[d->phys].name);
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    REQUIRE_DEV(d, device);
+    return copy_string(uuid, length, sim_state()->devices[d->phys].uuid);
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
+{
+    REQUIRE_DEV(d, device);
+    if (!minorNumber)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *minorNumber = (unsigned)d->phys;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    REQUIRE_DEV(d, device);
+    if (!pci)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof(*pci));
+    bus_ids(d->phys, pci->busId, sizeof(pci->busId), pci->busIdLegacy, sizeof(pci->busIdLegacy));
+    pci->bus = 0x10 + (unsigned)d->phys;
+    pci->pciDeviceId = 0x1EB810DE;
+    pci->pciSubSystemId = 0x12A210DE;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    REQUIRE_DEV(d, device);
+    if (!major || !minor)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct sim_traits t;
+    sim_traits_for(sim_state()->devices[d->phys].name, &t);
+    *major = t.cc_major;
+    *minor = t.cc_minor;
+    return NVML_SUCCESS;
+}
+
+/* ---------- memory ---------- */
+
+static void memory_of(int phys, uint64_t *total, uint64_t *used)
+{
+    sim_lock();
+    sim_reap_locked();
+    *used = sim_used_locked(phys);
+    *total = sim_state()->devices[phys].total_bytes;
+    sim_unlock();
+    if (*used > *total)
+        *used = *total;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    REQUIRE_DEV(d, device);
+    if (!memory)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t total, used;
+    memory_of(d->phys, &total, &used);
+    memory->total = total;
+    memory->used = used;
+    memory->free = total - used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    REQUIRE_DEV(d, device);
+    if (!memory)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != nvmlMemory_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    uint64_t total, used;
+    memory_of(d->phys, &total, &used);
+    memory->total = total;
+    memory->reserved = 0;
+    memory->used = used;
+    memory->free = total - used;
+    return NVML_SUCCESS;
+}
+
+/* ---------- processes ---------- */
+
+struct proc_row {
+    int slot;
+    int32_t pid;        /* as seen from this process */
+    int32_t recorded;   /* as recorded in the state (matches the log) */
+    uint64_t mem;
+};
+
+/* Live processes holding a context on phys. Returns the count. */
+static unsigned compute_procs(int phys, struct proc_row *rows)
+{
+    struct sim_state *s = sim_state();
+    unsigned n = 0;
+    sim_lock();
+    sim_reap_locked();
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        int32_t pid;
+        if (!s->procs[i].in_use || s->procs[i].contexts[phys] == 0 ||
+            !sim_slot_alive_locked(i, &pid))
+            continue;
+        rows[n].slot = i;
+        rows[n].pid = pid;
+        rows[n].recorded = s->procs[i].pid;
+        rows[n].mem = s->procs[i].mem_bytes[phys];
+        n++;
+    }
+    sim_unlock();
+    return n;
+}
+
+enum proc_layout { LAYOUT_V1, LAYOUT_V2 };
+
+/* The NVML_ERROR_INSUFFICIENT_SIZE contract: with *infoCount too small
+ * (including 0 with infos NULL), set it to the number needed and say so. */
+static nvmlReturn_t fill_procs(nvmlDevice_t device, unsigned int *infoCount, void *infos,
+                               enum proc_layout layout, int graphics)
+{
+    REQUIRE_DEV(d, device);
+    if (!infoCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct proc_row rows[SIM_MAX_PROCS];
+    unsigned n = graphics ? 0 : compute_procs(d->phys, rows);
+    if (*infoCount < n) {
+        *infoCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    if (n > 0 && !infos)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < n; i++) {
+        if (layout == LAYOUT_V1) {
+            nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)infos + i;
+            p->pid = (unsigned)rows[i].pid;
+            p->usedGpuMemory = rows[i].mem;
+        } else {
+            nvmlProcessInfo_v2_t *p = (nvmlProcessInfo_v2_t *)infos + i;
+            p->pid = (unsigned)rows[i].pid;
+            p->usedGpuMemory = rows[i].mem;
+            p->gpuInstanceId = NOT_AVAILABLE_U32;
+            p->computeInstanceId = NOT_AVAILABLE_U32;
+        }
+    }
+    *infoCount = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                  nvmlProcessInfo_v1_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V1, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_v2_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V2, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V2, 0);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                   nvmlProcessInfo_v1_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V1, 1);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device,
+                                                             unsigned int *infoCount,
+                                                             nvmlProcessInfo_v2_t *infos);
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_v2_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V2, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V2, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_v1_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V1, 1);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device,
+                                                               unsigned int *infoCount,
+                                                               nvmlProcessInfo_v2_t *infos);
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device,
+                                                        unsigned int *infoCount,
+                                                        nvmlProcessInfo_v2_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V2, 1);
+}
+
+nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                        unsigned int *infoCount,
+                                                        nvmlProcessInfo_t *infos)
+{
+    return fill_procs(device, infoCount, infos, LAYOUT_V2, 1);
+}
+
+/* ---------- utilization ---------- */
+
+static uint64_t realtime_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000ULL + (uint64_t)ts.tv_nsec / 1000ULL;
+}
+
+static unsigned percent(uint64_t part, uint64_t whole)
+{
+    if (whole == 0)
+        return 0;
+    uint64_t p = (part * 100 + whole / 2) / whole;
+    return p > 100 ? 100 : (unsigned)p;
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
+{
+    REQUIRE_DEV(d, device);
+    if (!utilization)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t now = sim_now_ns();
+    uint64_t from = now > g_util_window_ns ? now - g_util_window_ns : 0;
+    sim_lock();
+    uint64_t busy = sim_busy_in_locked(d->phys, -1, 0, from, now);
+    sim_unlock();
+    utilization->gpu = percent(busy, now - from);
+    utilization->memory = 0;
+    return NVML_SUCCESS;
+}
+
+/* One sample per process: its share of the engine's time since
+ * lastSeenTimeStamp (microseconds since the epoch; 0 means the last
+ * SIMGPU_UTIL_WINDOW_MS), for every process holding a context on the device
+ * and every process whose kernels ran in that window. */
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                             nvmlProcessUtilizationSample_t *utilization,
+                                             unsigned int *processSamplesCount,
+                                             unsigned long long lastSeenTimeStamp)
+{
+    REQUIRE_DEV(d, device);
+    if (!processSamplesCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t now = sim_now_ns(), now_us = realtime_us();
+    uint64_t from;
+    if (lastSeenTimeStamp == 0)
+        from = now > g_util_window_ns ? now - g_util_window_ns : 0;
+    else if (lastSeenTimeStamp >= now_us)
+        from = now;
+    else {
+        uint64_t back = (now_us - lastSeenTimeStamp) * 1000ULL;
+        from = now > back ? now - back : 0;
+    }
+    struct proc_row rows[SIM_MAX_PROCS];
+    unsigned n = compute_procs(d->phys, rows);
+    uint64_t busy[SIM_MAX_PROCS];
+    struct sim_state *s = sim_state();
+    sim_lock();
+    /* Processes that ran in the window but hold no context now (or died). */
+    const struct sim_device *dv = &s->devices[d->phys];
+    uint64_t logged = dv->log_count < SIM_LOG_LEN ? dv->log_count : SIM_LOG_LEN;
+    for (uint64_t k = 0; k < logged && n < SIM_MAX_PROCS; k++) {
+        const struct sim_interval *iv = &dv->log[(dv->log_count - 1 - k) % SIM_LOG_LEN];
+        if (iv->end_ns <= from)
+            break;
+        if (iv->start_ns >= now)
+            continue;
+        unsigned j;
+        for (j = 0; j < n; j++) {
+            if (rows[j].slot == iv->slot && rows[j].recorded == iv->pid)
+                break;
+        }
+        if (j == n) {
+            int32_t pid = iv->pid;
+            if (s->procs[iv->slot].in_use && s->procs[iv->slot].pid == iv->pid)
+                sim_slot_alive_locked(iv->slot, &pid);
+            rows[n].slot = iv->slot;
+            rows[n].pid = pid;
+            rows[n].recorded = iv->pid;
+            rows[n].mem = 0;
+            n++;
+        }
+    }
+    for (unsigned j = 0; j < n; j++)
+        busy[j] = sim_busy_in_locked(d->phys, rows[j].slot, rows[j].recorded, from, now);
+    sim_unlock();
+    if (n == 0 || from >= now) {
+        *processSamplesCount = 0;
+        return NVML_ERROR_NOT_FOUND;
+    }
+    if (!utilization || *processSamplesCount < n) {
+        *processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned j = 0; j < n; j++) {
+        utilization[j].pid = (unsigned)rows[j].pid;
+        utilization[j].timeStamp = now_us;
+        utilization[j].smUtil = percent(busy[j], now - from);
+        utilization[j].memUtil = 0;
+        utilization[j].encUtil = 0;
+        utilization[j].decUtil = 0;
+    }
+    *processSamplesCount = n;
+    return NVML_SUCCESS;
+}
+
+/* ---------- cosmetic readings ---------- */
+
+static unsigned current_util(struct nvml_dev *d)
+{
+    nvmlUtilization_t u;
+    nvmlDeviceGetUtilizationRates((nvmlDevice_t)d, &u);
+    return u.gpu;
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, nvmlTemperatureSensors_t sensorType,
+                                      unsigned int *temp)
+{
+    REQUIRE_DEV(d, device);
+    if (!temp || sensorType != NVML_TEMPERATURE_GPU)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *temp = 35 + current_util(d) * 40 / 100;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
+{
+    REQUIRE_DEV(d, device);
+    if (!power)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *power = 25000 + current_util(d) * 450; /* milliwatts */
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
+{
+    REQUIRE_DEV(d, device);
+    (void)d;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = NVML_FEATURE_ENABLED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mode)
+{
+    REQUIRE_DEV(d, device);
+    (void)d;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = NVML_COMPUTEMODE_DEFAULT;
+    return NVML_SUCCESS;
+}
