@@ -5,10 +5,11 @@
 #
 # Copies the image's self-contained /opt/cgpu_km (its own Python, the venv with
 # cgpu_km, libcgpu.so, the systemd units) to the node, links the programs into
-# /usr/local/bin, registers the OCI hook (prestart and poststop) in
-# /etc/containers/oci/hooks.d (read by CRI-O, podman, and containerd's NRI
-# hook-injector), and enables the tree and daemon services in the node's
-# systemd, so that they survive restarts of this pod. When the installed version
+# /usr/local/bin, describes the OCI hook as the CDI device aliyun.com/cgpu=shared
+# in /etc/cdi/cgpu.json (the device plugin adds that device to every container
+# it allocates for, so the runtime runs `cgpu-hook` for exactly those), and
+# enables the tree and daemon services in the node's systemd, so that they
+# survive restarts of this pod. When the installed version
 # changes while the daemon runs, it asks for a hot update through the tree's
 # `upgrade` node instead of restarting anything (containers keep their limits).
 # Idempotent: running it again with the same version changes nothing.
@@ -26,7 +27,7 @@ SYSTEMCTL=${SYSTEMCTL:-nsenter --target 1 --mount --uts --ipc --net --pid -- sys
 TREE_ROOTS=${TREE_ROOTS:-/proc/cgpu_km /run/cgpu_km}
 PREFIX=/opt/cgpu_km            # the path as the node sees it
 DEST=$HOST_ROOT$PREFIX
-HOOKS_DIR=$HOST_ROOT/etc/containers/oci/hooks.d
+CDI_DIR=$HOST_ROOT/etc/cdi
 UNIT_DIR=$HOST_ROOT/etc/systemd/system
 BIN_DIR=$HOST_ROOT/usr/local/bin
 PROGRAMS="cgpu-hook cgpu-daemon cgpu-fuse cgpu-smi"
@@ -59,15 +60,21 @@ for program in $PROGRAMS; do
     ln -sfn "$PREFIX/venv/bin/$program" "$BIN_DIR/$program"
 done
 
-# 3. The OCI hook, one file per stage (OCI hooks configuration 1.0.0).
-mkdir -p "$HOOKS_DIR"
-for stage in prestart poststop; do
-    file=$HOOKS_DIR/cgpu_km-$stage.json
-    printf '{"version": "1.0.0", "hook": {"path": "%s", "args": ["cgpu-hook", "%s"]}, "when": {"always": true}, "stages": ["%s"]}\n' \
-        "$PREFIX/venv/bin/cgpu-hook" "$stage" "$stage" > "$file.tmp"
-    mv "$file.tmp" "$file"
-done
-say "OCI hook registered in ${HOOKS_DIR#"$HOST_ROOT"}"
+# 3. The OCI hook as a CDI device (CDI 0.6.0; containerd 1.7+ with enable_cdi,
+#    CRI-O, docker 25+). createRuntime and prestart run at the same point.
+mkdir -p "$CDI_DIR"
+hook=/usr/local/bin/cgpu-hook
+cat > "$CDI_DIR/cgpu.json.tmp" <<SPEC
+{"cdiVersion": "0.6.0", "kind": "aliyun.com/cgpu",
+ "devices": [{"name": "shared", "containerEdits": {"env": ["CGPU_HOOKED=1"]}}],
+ "containerEdits": {"hooks": [
+   {"hookName": "createRuntime", "path": "$hook",
+    "args": ["cgpu-hook", "prestart"], "env": ["PATH=/usr/bin:/bin"], "timeout": 30},
+   {"hookName": "poststop", "path": "$hook",
+    "args": ["cgpu-hook", "poststop"], "env": ["PATH=/usr/bin:/bin"], "timeout": 30}]}}
+SPEC
+mv "$CDI_DIR/cgpu.json.tmp" "$CDI_DIR/cgpu.json"
+say "OCI hook described as CDI device aliyun.com/cgpu=shared in /etc/cdi/cgpu.json"
 
 # 4. The tree and the daemon as services of the node.
 units=""

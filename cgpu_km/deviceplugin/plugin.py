@@ -14,6 +14,7 @@ import argparse
 import functools
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -43,6 +44,7 @@ DEFAULT_ENDPOINT = "aliyungpushare.sock"  # the socket name gpushare uses
 # The kubelet's gRPC client keeps grpc-go's default receive limit: a device list
 # (one ListAndWatch message) above it never reaches the kubelet.
 KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
+CDI_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*=[a-zA-Z0-9][a-zA-Z0-9_.:-]*")
 
 
 class DeviceState:
@@ -100,9 +102,12 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
     """The gRPC handlers; every decision is made by the pure Inventory (and, with the
     scheduler extender, by the pod it placed)."""
 
-    def __init__(self, state: DeviceState, extender: ExtenderLink | None = None) -> None:
+    def __init__(
+        self, state: DeviceState, extender: ExtenderLink | None = None, cdi_device: str = ""
+    ) -> None:
         self.state = state
         self.extender = extender
+        self.cdi_devices = [api_pb2.CDIDevice(name=cdi_device)] if cdi_device else []
         self._allocating = threading.Lock()  # two Allocates must not claim the same pod
 
     def GetDevicePluginOptions(
@@ -163,7 +168,10 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):
                 env["NVIDIA_VISIBLE_DEVICES"],
             )
         return api_pb2.AllocateResponse(
-            container_responses=[api_pb2.ContainerAllocateResponse(envs=env) for env in envs]
+            container_responses=[
+                api_pb2.ContainerAllocateResponse(envs=env, cdi_devices=self.cdi_devices)
+                for env in envs
+            ]
         )
 
     def PreStartContainer(
@@ -219,6 +227,7 @@ class Config:
     unit_bytes: int = UNIT_BYTES["GiB"]
     health_interval: float = 10.0
     watch_interval: float = 1.0
+    cdi_device: str = ""
 
     @property
     def plugin_socket(self) -> Path:
@@ -267,7 +276,7 @@ class DevicePlugin:
         self.state.reopen()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="dp"))
         api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
-            DevicePluginServicer(self.state, self.extender), server
+            DevicePluginServicer(self.state, self.extender, self.config.cdi_device), server
         )
         if server.add_insecure_port(f"unix://{path}") == 0:
             raise OSError(f"cannot listen on {path}")
@@ -402,6 +411,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds between checks of the kubelet socket (default: %(default)s)",
     )
     parser.add_argument(
+        "--cdi-device",
+        default="",
+        metavar="VENDOR/CLASS=NAME",
+        help="CDI device to add to every allocated container, e.g. aliyun.com/cgpu=shared "
+        "whose CDI spec runs cgpu-hook (kubelet 1.28+; default: none)",
+    )
+    parser.add_argument(
         "--scheduler-extender",
         choices=["auto", "on", "off"],
         default="auto",
@@ -417,6 +433,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if "/" in args.endpoint or not args.endpoint:
         parser.error(f"--endpoint must be a plain file name, got {args.endpoint!r}")
+    if args.cdi_device and not CDI_NAME.fullmatch(args.cdi_device):
+        parser.error(f"--cdi-device must look like vendor.com/class=name, got {args.cdi_device!r}")
     for name in ("health_interval", "watch_interval"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
@@ -461,6 +479,7 @@ def main(argv: Sequence[str] | None = None, source: GpuSource | None = None) -> 
         unit_bytes=UNIT_BYTES[args.memory_unit],
         health_interval=args.health_interval,
         watch_interval=args.watch_interval,
+        cdi_device=args.cdi_device,
     )
     if not config.kubelet_socket.parent.is_dir():
         return _fail(f"{config.kubelet_socket.parent} is not a directory", 2)

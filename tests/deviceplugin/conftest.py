@@ -138,6 +138,7 @@ class Harness:
         source: FakeSource,
         unit_bytes: int = GIB,
         extender: ExtenderLink | None = None,
+        cdi_device: str = "",
     ) -> None:
         self.kubelet = StubKubelet(directory)
         self.kubelet.start()
@@ -147,6 +148,7 @@ class Harness:
             unit_bytes=unit_bytes,
             health_interval=0.05,
             watch_interval=0.05,
+            cdi_device=cdi_device,
         )
         self.plugin = DevicePlugin(source, config, extender)
         self.socket = config.plugin_socket
@@ -201,9 +203,12 @@ def make_harness(sock_dir: Path) -> Iterator[Callable[..., Harness]]:
     started: list[Harness] = []
 
     def start(
-        source: FakeSource, unit_bytes: int = GIB, extender: ExtenderLink | None = None
+        source: FakeSource,
+        unit_bytes: int = GIB,
+        extender: ExtenderLink | None = None,
+        cdi_device: str = "",
     ) -> Harness:
-        started.append(Harness(sock_dir, source, unit_bytes, extender))
+        started.append(Harness(sock_dir, source, unit_bytes, extender, cdi_device))
         return started[-1]
 
     yield start

@@ -67,6 +67,9 @@ def test_daemonset_selects_gpushare_nodes_and_runs_the_plugin() -> None:
     )
     env = {e["name"] for e in plugin["env"]}
     assert {"NODE_NAME", "NVIDIA_VISIBLE_DEVICES"} <= env
+    # The CDI device the plugin hands out is the one the installer describes.
+    assert args.cdi_device == "aliyun.com/cgpu=shared"
+    assert '"kind": "aliyun.com/cgpu"' in INSTALLER.read_text()
 
 
 def test_init_container_runs_the_installer_the_image_ships() -> None:
@@ -153,14 +156,13 @@ def test_installer_installs_files_hooks_and_services(image: Path, tmp_path: Path
     assert (host / "opt/cgpu_km/VERSION").read_text() == "0.1.0\n"
     link = host / "usr/local/bin/cgpu-hook"
     assert os.readlink(link) == "/opt/cgpu_km/venv/bin/cgpu-hook"
-    for stage in ("prestart", "poststop"):
-        hook = json.loads((host / f"etc/containers/oci/hooks.d/cgpu_km-{stage}.json").read_text())
-        assert hook == {
-            "version": "1.0.0",
-            "hook": {"path": "/opt/cgpu_km/venv/bin/cgpu-hook", "args": ["cgpu-hook", stage]},
-            "when": {"always": True},
-            "stages": [stage],
-        }
+    spec = json.loads((host / "etc/cdi/cgpu.json").read_text())
+    assert spec["kind"] == "aliyun.com/cgpu"
+    assert [d["name"] for d in spec["devices"]] == ["shared"]
+    hooks = {h["hookName"]: h for h in spec["containerEdits"]["hooks"]}
+    assert hooks["createRuntime"]["args"] == ["cgpu-hook", "prestart"]
+    assert hooks["poststop"]["args"] == ["cgpu-hook", "poststop"]
+    assert {h["path"] for h in hooks.values()} == {"/usr/local/bin/cgpu-hook"}
     assert (host / "etc/systemd/system/cgpu-daemon.service").is_file()
     calls = (tmp_path / "systemctl.calls").read_text().splitlines()
     assert calls == ["daemon-reload", "enable --now cgpu-daemon.service cgpu-fuse.service"]

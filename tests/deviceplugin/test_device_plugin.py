@@ -119,6 +119,19 @@ def test_allocate_returns_the_hook_environment(harness: Harness) -> None:
         "ALIYUN_COM_GPU_MEM_DEV": "15",
     }
     assert not container.devices  # the runtime hook exposes the GPU, not the kubelet
+    assert not container.cdi_devices
+
+
+def test_allocate_adds_the_cdi_device_that_runs_the_hook(
+    make_harness: Callable[..., Harness], fake_source: FakeSource
+) -> None:
+    h = make_harness(fake_source, cdi_device="aliyun.com/cgpu=shared")
+    with h.client() as stub:
+        response = stub.Allocate(allocate(h.ids(1, range(2)), h.ids(1, range(2, 3))))
+    assert [[d.name for d in c.cdi_devices] for c in response.container_responses] == [
+        ["aliyun.com/cgpu=shared"],
+        ["aliyun.com/cgpu=shared"],
+    ]
 
 
 def test_allocate_spanning_gpus_or_unknown_ids_is_refused(harness: Harness) -> None:
@@ -198,6 +211,8 @@ def test_device_list_larger_than_the_kubelet_accepts_is_refused(
         (["--memory-unit", "KiB"], "invalid choice: 'KiB'"),
         (["--endpoint", "a/b.sock"], "--endpoint must be a plain file name"),
         (["--health-interval", "0"], "--health-interval must be positive"),
+        (["--cdi-device", "cgpu"], "--cdi-device must look like vendor.com/class=name"),
+        (["--scheduler-extender", "maybe"], "invalid choice: 'maybe'"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
