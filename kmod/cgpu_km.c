@@ -285,7 +285,7 @@ static int cgpu_parse_procs(struct cgpu_cmd *cmd, char **tok, unsigned int n)
 {
 	struct cgpu_proc_use *use;
 	char **key;
-	unsigned int i, out;
+	unsigned int i, end, out;
 	int err = -EINVAL;
 
 	if (!n)
@@ -309,13 +309,16 @@ static int cgpu_parse_procs(struct cgpu_cmd *cmd, char **tok, unsigned int n)
 		use[i].seq = i;
 	}
 	sort(use, n, sizeof(*use), cgpu_cmp_proc_use, NULL);
-	for (i = 0, out = 0; i < n; i++) {
-		if (i + 1 < n && use[i + 1].pid == use[i].pid) {
-			if (!strcmp(key[use[i + 1].seq], key[use[i].seq]))
-				goto out;
-			continue;	/* a later spelling of this pid follows */
-		}
-		use[out++] = use[i];
+	for (i = 0, out = 0; i < n; i = end) {
+		unsigned int a, b;
+
+		for (end = i + 1; end < n && use[end].pid == use[i].pid; end++)
+			;
+		for (a = i; a < end; a++)
+			for (b = a + 1; b < end; b++)
+				if (!strcmp(key[use[a].seq], key[use[b].seq]))
+					goto out;
+		use[out++] = use[end - 1];	/* the last spelling wins */
 	}
 	cmd->procs = use;
 	cmd->nprocs = out;

@@ -4,6 +4,7 @@
 # folder's init and checks.sh; read the serial console and decide.
 # Usage: run-vm.sh KERNEL_VERSION MODULE.ko
 # Env: VM_TIMEOUT (seconds, default 300), VM_SMP (vCPUs, default 2),
+#      PYTHON (runs tests/kmod/difftest.py, default python3),
 #      VM_LOG (console log, default kmod/build/vm-console.log).
 # Fails when the VM reports a failure, when no result line arrives in time,
 # and on BUG:/WARNING:/Oops/general protection in the kernel log.
@@ -13,6 +14,7 @@ ko=$2
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 timeout_s=${VM_TIMEOUT:-300}
+python=${PYTHON:-python3}
 build="$repo/kmod/build"
 log=${VM_LOG:-$build/vm-console.log}
 kernel=/boot/vmlinuz-$kver
@@ -38,6 +40,11 @@ cp "$ko" "$stage/cgpu_km.ko"
 if [ -d "$repo/tests/conformance" ]; then
 	cp -R "$repo/tests/conformance/." "$stage/conformance/"
 fi
+difftest="$repo/tests/kmod/difftest.py"
+expected="$build/difftest-expected.txt"
+"$python" "$difftest" script >"$stage/difftest.sh"
+"$python" "$difftest" params >"$stage/difftest.params"
+"$python" "$difftest" expected >"$expected"
 chmod 755 "$stage" "$stage/init"
 initrd="$build/initramfs.cpio.gz"
 (cd "$stage" && find . | cpio -o -H newc --quiet | gzip -1) >"$initrd"
@@ -51,7 +58,7 @@ timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 -accel tcg -smp "${VM_SM
 wall=$(($(date +%s) - start))
 
 # The test's own lines, for the reader of the make output.
-grep -E '^(CGPU-VM|ok |not ok |#)' "$log" | tr -d '\r' || true
+grep -E '^(CGPU-VM|ok |not ok |#|FAIL|conformance)' "$log" | tr -d '\r' || true
 problems=""
 if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
 	problems="$problems; no result within ${timeout_s}s"
@@ -61,6 +68,7 @@ if grep -qE 'BUG:|WARNING:|Oops|general protection' "$log"; then
 	problems="$problems; kernel log reports a problem"
 	grep -nE -B2 -A20 'BUG:|WARNING:|Oops|general protection' "$log" | head -80 >&2
 fi
+"$python" "$difftest" compare "$expected" "$log" || problems="$problems; differential test"
 echo "run-vm: VM wall time ${wall}s"
 if [ -n "$problems" ]; then
 	echo "run-vm: FAIL${problems} (console log: $log)" >&2
