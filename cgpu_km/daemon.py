@@ -42,8 +42,19 @@ from typing import Any, TypeVar
 
 import trio
 
+from cgpu_km import snapshot as snap
 from cgpu_km import treefs
-from cgpu_km.daemon_io import FsTree, GpuNodes, Key, Plane, PlaneSample, QuickView, Tree
+from cgpu_km.daemon_io import (
+    FsTree,
+    GpuNodes,
+    Key,
+    Plane,
+    PlaneSample,
+    ProcessMemory,
+    QuickView,
+    Tree,
+)
+from cgpu_km.gpus import GpuInfo
 from cgpu_km.sched import ContainerSpec, GateDecision, GateScheduler, GpuConfig
 from cgpu_km.sdnotify import Notifier, watchdog_interval
 
@@ -103,6 +114,7 @@ class DaemonView:
     nodes: dict[int, GpuNodes] = field(default_factory=dict)
     specs: dict[Key, ContainerSpec] = field(default_factory=dict)
     memsize: dict[Key, int] = field(default_factory=dict)
+    ids: dict[Key, int] = field(default_factory=dict)
 
     def config(self, gpu: int) -> GpuConfig:
         nodes = self.nodes[gpu]
@@ -128,6 +140,8 @@ class Daemon:
         blocking: Blocking[Any] | None = None,
         wall_clock: Callable[[], float] = time.time,
         restart: Callable[[], None] | None = None,
+        gpu_info: Mapping[int, GpuInfo] | None = None,
+        publish: Callable[[snap.Snapshot], None] | None = None,
     ) -> None:
         self.tree = tree
         self.plane = plane
@@ -148,6 +162,15 @@ class Daemon:
         self._saved_state: dict[str, Any] | None = None
         self._gpu_nursery: trio.Nursery | None = None
         self._tree_error: str | None = None
+        self.gpu_info = dict(gpu_info or {})
+        self.version = ""
+        self.publish = publish
+        self.started = wall_clock()
+        self.last_sample = PlaneSample(usage={}, active=set())
+        self.usage_start: dict[Key, float] = {}
+        self.utilization: dict[Key, float] = {}
+        self.memory = ProcessMemory(by_container={})
+        self.stopped: dict[Key, int] = {}
 
     # -- the tree ------------------------------------------------------------
 
@@ -156,6 +179,8 @@ class Daemon:
         nodes: dict[int, GpuNodes] = {}
         specs: dict[Key, ContainerSpec] = {}
         memsize: dict[Key, int] = {}
+        ids: dict[Key, int] = {}
+        self.version = view.version
         for gpu in view.gpus:
             nodes[gpu.index] = GpuNodes(
                 policy=gpu.policy, max_inst=gpu.max_inst, prio_ratio=gpu.prio_ratio,
@@ -166,7 +191,8 @@ class Daemon:
                     weight=ctr.weight, highprio=bool(ctr.highprio), util_limit=ctr.util_limit
                 )
                 memsize[gpu.index, name] = ctr.memsize
-        self.view = DaemonView(nodes=nodes, specs=specs, memsize=memsize)
+                ids[gpu.index, name] = ctr.id
+        self.view = DaemonView(nodes=nodes, specs=specs, memsize=memsize, ids=ids)
         await self._blocking(partial(self.plane.attach, view))
         self._apply()
 
@@ -261,17 +287,30 @@ class Daemon:
         deadline = trio.current_time()
         while True:
             sample = await self._blocking(self.plane.sample)
+            for key, used in sample.usage.items():
+                self.usage_start.setdefault(key, used)
             for state in list(self.gpus.values()):
                 with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
                     state.samples.send_nowait(sample)
+            await trio.lowlevel.checkpoint()  # let the schedulers take it before it is replaced
+            self.last_sample = sample
             await self._blocking(self.plane.heartbeat)
             deadline += self.settings.period
             await trio.sleep_until(deadline)
 
     async def _serve_gpu(self, state: GpuState) -> None:
+        last_time: float | None = None
         async for sample in state.inbox:
             now = trio.current_time()
             usage = {n: u for (g, n), u in sample.usage.items() if g == state.index}
+            if last_time is not None and now > last_time:
+                previous = self.last_sample.usage
+                for name, used in usage.items():
+                    before = previous.get((state.index, name), used)
+                    self.utilization[state.index, name] = max(0.0, used - before) / (
+                        now - last_time
+                    )
+            last_time = now
             active = {n for (g, n) in sample.active if g == state.index}
             decision = state.scheduler.step(now, usage, active)
             if state.decision is None or decision.open != state.decision.open:
@@ -303,6 +342,7 @@ class Daemon:
             except OSError as error:
                 log.warning("cannot read GPU memory: %s", error)
             else:
+                self.memory = memory
                 await self._feed_meminfo(memory.by_container)
                 await self._backstop(memory.by_container)
             deadline += self.settings.memory_interval
@@ -333,6 +373,7 @@ class Daemon:
                     " ".join(map(str, over)),
                 )
                 await self._blocking(partial(self.plane.stop, key[0], key[1], over))
+                self.stopped[key] = self.stopped.get(key, 0) + len(over)
 
     # -- publishing, state, systemd ------------------------------------------
 
@@ -373,11 +414,64 @@ class Daemon:
         self._saved_state = data
         log.info("restored scheduler state saved %.1f s ago", age)
 
+    def snapshot(self) -> snap.Snapshot:
+        """The figures `cgpu-smi` and Prometheus show, frozen now."""
+        gpus = []
+        containers = []
+        for index in sorted(self.view.nodes):
+            nodes = self.view.nodes[index]
+            info = self.gpu_info.get(index)
+            total = info.memory_total if info else 0
+            decision = self.gpus[index].decision if index in self.gpus else None
+            used_gpu = self.memory.used_by_gpu.get(index)
+            weights = sum(self.view.specs[index, n].weight for n in nodes.containers
+                          if (index, n) in self.view.specs)
+            gpus.append(snap.GpuFigures(
+                index=index, uuid=info.uuid if info else "", name=info.name if info else "",
+                memory_total_bytes=total, memory_used_bytes=used_gpu,
+                utilization=min(1.0, sum(self.utilization.get((index, n), 0.0)
+                                         for n in nodes.containers)),
+                policy=nodes.policy, max_inst=nodes.max_inst, prio_ratio=nodes.prio_ratio,
+                free_weight=max(0, nodes.max_inst - weights),
+            ))
+            for name in sorted(nodes.containers):
+                key = (index, name)
+                spec = self.view.specs.get(key)
+                if spec is None:
+                    continue
+                procs = self.memory.by_container.get(key, {})
+                memsize = self.view.memsize.get(key, 0)
+                usage = self.last_sample.usage.get(key, 0.0)
+                containers.append(snap.ContainerFigures(
+                    name=name, id=self.view.ids.get(key, 0), gpu=index, weight=spec.weight,
+                    highprio=spec.highprio, util_limit=spec.util_limit,
+                    target_share=float(decision.shares.get(name, 0)) if decision else 0.0,
+                    utilization=min(1.0, self.utilization.get(key, 0.0)),
+                    memory_used_bytes=sum(procs.values()),
+                    memory_limit_bytes=memsize or total,
+                    gpu_time_seconds=max(0.0, usage - self.usage_start.get(key, usage)),
+                    gate_wait_seconds=self.last_sample.gate_wait.get(key, 0.0),
+                    oom_events=self.last_sample.oom_refusals.get(key, 0)
+                    + self.stopped.get(key, 0),
+                    processes=tuple(snap.ProcessFigures(pid, size)
+                                    for pid, size in sorted(procs.items())),
+                ))
+        return snap.Snapshot(
+            version=self.version, pid=os.getpid(), period_seconds=self.settings.period,
+            timestamp=self.wall_clock(), started=self.started,
+            gpus=tuple(gpus), containers=tuple(containers),
+        )
+
     async def _serve_publish(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
         while True:
+            if self.publish is not None:
+                try:
+                    self.publish(self.snapshot())
+                except OSError as error:
+                    log.warning("cannot publish the snapshot: %s", error)
             await trio.sleep(self.settings.publish_interval)
             try:
                 self.save_state()
@@ -492,14 +586,38 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="scheduling period in seconds (default %(default)s)")
     parser.add_argument("--tree-refresh", type=float, default=Settings.tree_refresh,
                         help="seconds between full re-reads of every container's nodes")
-    parser.add_argument("--metrics", default=None,
-                        help="serve Prometheus metrics on HOST:PORT ('' or 'off' to disable)")
+    parser.add_argument("--metrics", default="off",
+                        help="serve Prometheus metrics on HOST:PORT, or 'off' (default)")
     parser.add_argument("-v", "--verbose", action="store_true")
+    probe = parser.add_mutually_exclusive_group()
+    probe.add_argument("--count-gpus", action="store_true",
+                       help="print the number of GPUs (NVML, else simgpu) and exit")
+    probe.add_argument("--module-params", action="store_true",
+                       help="print the kernel module's parameters for this host and exit")
     return parser.parse_args(argv)
+
+
+def probe_gpus(args: argparse.Namespace) -> int:
+    """`--count-gpus` / `--module-params`: what the service units need from NVML."""
+    from cgpu_km.gpus import GpuError, discover_gpus
+
+    try:
+        found = discover_gpus()
+    except GpuError as error:
+        print(f"cgpu-daemon: {error}", file=sys.stderr)
+        return 1
+    if args.count_gpus:
+        print(max(1, len(found)))
+    else:
+        sizes = ",".join(str(g.memory_total) for g in found)
+        print(f"gpus={max(1, len(found))}" + (f" gpu_mem={sizes}" if sizes else ""))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.count_gpus or args.module_params:
+        return probe_gpus(args)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="cgpu-daemon: %(message)s", stream=sys.stderr,
@@ -509,19 +627,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
         return 2
-    from cgpu_km import snapshot
+    from cgpu_km import metrics
     from cgpu_km.daemon_plane import make_plane
+    from cgpu_km.gpus import GpuError, discover_gpus
 
+    try:
+        listen = metrics.parse_listen(args.metrics)
+    except ValueError as error:
+        print(f"cgpu-daemon: {error}", file=sys.stderr)
+        return 2
     root = treefs.resolve_root(args.root)
-    state_dir = snapshot.resolve_state_dir(args.state_dir)
+    state_dir = snap.resolve_state_dir(args.state_dir)
+    try:
+        gpu_info = {g.index: g for g in discover_gpus()}
+    except GpuError as error:
+        log.warning("%s: GPU names and totals unknown", error)
+        gpu_info = {}
     plane = make_plane(args.region_dir)
+    holder = metrics.SnapshotHolder()
+    server = None
+    if listen is not None:
+        try:
+            server = metrics.serve_metrics(listen.host, listen.port, holder)
+            log.info("metrics on http://%s:%d/metrics", listen.host, server.port)
+        except OSError as error:
+            log.error("cannot serve metrics on %s: %s", args.metrics, error)
+
+    def publish(snapshot: snap.Snapshot) -> None:
+        holder.swap(snapshot)
+        snap.write_snapshot(snapshot, state_dir / snap.SNAPSHOT_NAME)
+
     argv_now = list(sys.argv)
 
     def restart() -> None:
+        if server is not None:
+            server.close()
         os.execv(sys.executable, [sys.executable, "-m", "cgpu_km.daemon", *argv_now[1:]])
 
     daemon = Daemon(FsTree(root), plane, state_dir=state_dir, settings=settings,
-                    notifier=Notifier(), restart=restart)
+                    notifier=Notifier(), restart=restart, gpu_info=gpu_info, publish=publish)
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(run_with_signals, daemon)
     return 0

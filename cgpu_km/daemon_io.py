@@ -65,6 +65,8 @@ class PlaneSample:
 
     usage: Mapping[Key, float]  # cumulative GPU busy seconds per container and GPU
     active: Set[Key]  # containers that have work waiting or ran work lately
+    gate_wait: Mapping[Key, float] = field(default_factory=dict)  # cumulative seconds
+    oom_refusals: Mapping[Key, int] = field(default_factory=dict)  # cumulative count
 
 
 @dataclass(frozen=True)
@@ -133,12 +135,7 @@ class FsTree:
 
 
 class OpenPlane:
-    """`Plane` for a host without regions: nothing to gate, memory from a reader.
-
-    Used until the data-plane regions exist for a container, and as the
-    fallback when the region module is unavailable. `memory_reader` maps
-    (gpu, container) to {pid: bytes}.
-    """
+    """`Plane` that gates nothing and measures nothing (no regions, no NVML)."""
 
     def __init__(self) -> None:
         self.names: dict[int, set[str]] = {}

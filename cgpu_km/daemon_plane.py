@@ -1,12 +1,252 @@
 """The real data plane for the daemon: containers' regions (gates, activity) and NVML.
 
-Filled in by `make_plane`; see `cgpu_km.daemon_io.Plane` for the contract.
+`RegionPlane` implements `cgpu_km.daemon_io.Plane`:
+
+- regions: `<region dir>/<container>.region` (`cgpu_km.region`), opened when
+  the tree lists the container, reopened when the file is replaced; the
+  container's GPU k is the one whose `host_index` is the tree's GPU.
+- GPU time per process from NVML's process utilization samples (integrated
+  over their time stamps), memory per process from NVML's running
+  processes; both are keyed by host pid and mapped to containers through
+  the region's process slots (pid namespace inode + pid in it).
+- activity: launches blocked at the gate, or launches since the last sample.
+
+Every NVML failure for a field gives "unknown" for it, never an exception
+out of the daemon's loop (as gpustat does).
 """
 
 from __future__ import annotations
 
-from cgpu_km.daemon_io import OpenPlane, Plane
+import contextlib
+import logging
+import os
+from collections.abc import Set
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cgpu_km import region as region_mod
+from cgpu_km.daemon_io import Key, OpenPlane, Plane, PlaneSample, ProcessMemory, stop_processes
+from cgpu_km.treefs import TreeView
+
+log = logging.getLogger("cgpu-daemon")
+
+
+def host_pid_identity(pid: int) -> tuple[int, int] | None:
+    """(pid namespace inode, pid inside it) of a host pid, from /proc; None if gone."""
+    try:
+        pidns = os.stat(f"/proc/{pid}/ns/pid").st_ino
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return pidns, int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pidns, pid
+
+
+class Nvml:
+    """The NVML reads the daemon needs, with failures turned into empty answers."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nvml: Any = pynvml
+        self.nvml.nvmlInit()
+        self.handles: dict[int, Any] = {}
+        for position in range(int(self.nvml.nvmlDeviceGetCount())):
+            handle = self.nvml.nvmlDeviceGetHandleByIndex(position)
+            self.handles[int(self.nvml.nvmlDeviceGetIndex(handle))] = handle
+        self._last_seen: dict[int, int] = {}
+        self._busy: dict[tuple[int, int], float] = {}  # (gpu, pid) -> seconds
+        self._stamp: dict[tuple[int, int], int] = {}
+
+    def busy_by_pid(self) -> dict[tuple[int, int], float]:
+        """Cumulative GPU busy seconds per (gpu, host pid), integrated from samples."""
+        for gpu, handle in self.handles.items():
+            last = self._last_seen.get(gpu, 0)
+            try:
+                samples = self.nvml.nvmlDeviceGetProcessUtilization(handle, last)
+            except self.nvml.NVMLError:
+                continue
+            newest = last
+            for sample in samples:
+                key = (gpu, int(sample.pid))
+                stamp = int(sample.timeStamp)
+                if stamp <= last:
+                    continue
+                since = self._stamp.get(key, last)
+                if since and stamp > since:
+                    self._busy[key] = self._busy.get(key, 0.0) + (
+                        int(sample.smUtil) / 100.0 * (stamp - since) / 1e6
+                    )
+                self._stamp[key] = stamp
+                newest = max(newest, stamp)
+            self._last_seen[gpu] = newest
+        return dict(self._busy)
+
+    def memory_by_pid(self) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+        """Bytes per (gpu, host pid) from the running compute processes, and used per GPU."""
+        procs: dict[tuple[int, int], int] = {}
+        used: dict[int, int] = {}
+        for gpu, handle in self.handles.items():
+            with contextlib.suppress(self.nvml.NVMLError):
+                for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    size = proc.usedGpuMemory
+                    procs[gpu, int(proc.pid)] = int(size) if size is not None else 0
+            with contextlib.suppress(self.nvml.NVMLError):
+                used[gpu] = int(self.nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        return procs, used
+
+
+@dataclass
+class _Attached:
+    region: region_mod.Region
+    inode: int
+
+
+class RegionPlane:
+    """Gates and activity in the regions, GPU time and memory from NVML."""
+
+    def __init__(self, directory: Path, nvml: Nvml | None) -> None:
+        self.directory = directory
+        self.nvml = nvml
+        self.regions: dict[str, _Attached] = {}
+        self.keys: dict[Key, tuple[region_mod.Region, int]] = {}
+        self._launches: dict[Key, int] = {}
+        self._usage: dict[Key, float] = {}
+        self._pid_cache: dict[int, tuple[int, int] | None] = {}
+
+    # -- regions --
+
+    def attach(self, tree: TreeView) -> None:
+        names = {name for gpu in tree.gpus for name in gpu.containers}
+        for name in set(self.regions) - names:
+            self.regions.pop(name).region.close()
+        for name in names:
+            path = region_mod.region_path(name, self.directory)
+            try:
+                inode = path.stat().st_ino
+            except FileNotFoundError:
+                if name in self.regions:
+                    self.regions.pop(name).region.close()
+                continue
+            known = self.regions.get(name)
+            if known is not None and known.inode == inode:
+                continue
+            try:
+                opened = region_mod.Region.open(path)
+            except region_mod.RegionError as error:
+                log.warning("container %s: %s", name, error)
+                continue
+            if known is not None:
+                known.region.close()
+            self.regions[name] = _Attached(opened, inode)
+        self.keys = {}
+        for gpu in tree.gpus:
+            for name in gpu.containers:
+                attached = self.regions.get(name)
+                if attached is None:
+                    continue
+                k = attached.region.gpu_for_host(gpu.index)
+                if k is not None:
+                    self.keys[gpu.index, name] = (attached.region, k)
+
+    def _pid_owners(self) -> dict[tuple[int, int], str]:
+        """(pidns, pid) -> container, from the live process slots of every region."""
+        owners: dict[tuple[int, int], str] = {}
+        for name, attached in self.regions.items():
+            for proc in attached.region.processes():
+                owners[proc.pidns, proc.pid] = name
+        return owners
+
+    def _containers_of(self, by_gpu_pid: Set[tuple[int, int]]) -> dict[tuple[int, int], Key]:
+        owners = self._pid_owners()
+        result: dict[tuple[int, int], Key] = {}
+        for gpu, pid in by_gpu_pid:
+            identity = self._pid_cache.get(pid)
+            if identity is None:
+                identity = host_pid_identity(pid)
+                self._pid_cache[pid] = identity
+            if identity is None:
+                continue
+            name = owners.get(identity) or owners.get((0, identity[1]))
+            if name is not None and (gpu, name) in self.keys:
+                result[gpu, pid] = (gpu, name)
+        if len(self._pid_cache) > 4096:
+            self._pid_cache.clear()
+        return result
+
+    # -- Plane --
+
+    def sample(self) -> PlaneSample:
+        busy = self.nvml.busy_by_pid() if self.nvml is not None else {}
+        owners = self._containers_of(set(busy))
+        usage: dict[Key, float] = {}
+        for gpu_pid, seconds in busy.items():
+            key = owners.get(gpu_pid)
+            if key is not None:
+                usage[key] = usage.get(key, 0.0) + seconds
+        # A process that exits takes its seconds along: keep the container's total monotone.
+        for key, seconds in usage.items():
+            self._usage[key] = max(self._usage.get(key, 0.0), seconds)
+        active: set[Key] = set()
+        gate_wait: dict[Key, float] = {}
+        oom: dict[Key, int] = {}
+        for key, (region, k) in self.keys.items():
+            procs = region.processes()
+            launches = sum(p.launches[k] for p in procs)
+            pending = sum(p.pending[k] for p in procs)
+            if pending > 0 or launches != self._launches.get(key, launches):
+                active.add(key)
+            self._launches[key] = launches
+            gate_wait[key] = sum(p.gate_wait_ns[k] for p in procs) / 1e9
+            oom[key] = sum(p.oom_refusals[k] for p in procs)
+        return PlaneSample(usage=dict(self._usage), active=active, gate_wait=gate_wait,
+                           oom_refusals=oom)
+
+    def set_gates(self, gpu: int, open_: Set[str]) -> None:
+        for (g, name), (region, k) in self.keys.items():
+            if g == gpu:
+                region.set_gate(k, name in open_)
+
+    def heartbeat(self) -> None:
+        for attached in self.regions.values():
+            attached.region.heartbeat()
+
+    def open_all(self) -> None:
+        for region, k in self.keys.values():
+            region.set_gate(k, True)
+
+    def memory(self) -> ProcessMemory:
+        if self.nvml is None:
+            return ProcessMemory(by_container={})
+        by_pid, used = self.nvml.memory_by_pid()
+        owners = self._containers_of(set(by_pid))
+        by_container: dict[Key, dict[int, int]] = {key: {} for key in self.keys}
+        for (gpu, pid), size in by_pid.items():
+            key = owners.get((gpu, pid))
+            if key is not None:
+                by_container[key][pid] = size
+        return ProcessMemory(by_container=by_container, used_by_gpu=used)
+
+    def stop(self, gpu: int, name: str, pids: list[int]) -> None:
+        attached = self.regions.get(name)
+        script = ""
+        if attached is not None and attached.region.mode == "egpu":
+            script = attached.region.oom_script
+        stop_processes(pids, oom_script=script)
 
 
 def make_plane(region_dir: str | None) -> Plane:
-    return OpenPlane()
+    """The plane for this host: regions plus NVML (simgpu without a driver)."""
+    directory = Path(region_dir) if region_dir else region_mod.region_dir()
+    nvml: Nvml | None
+    try:
+        nvml = Nvml()
+    except Exception as error:  # NVML absent or broken: gates still work, usage is unknown
+        log.warning("NVML unavailable (%s): no GPU time or memory figures", error)
+        nvml = None
+    if nvml is None and not directory.exists():
+        return OpenPlane()
+    return RegionPlane(directory, nvml)
