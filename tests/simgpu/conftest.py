@@ -1,0 +1,172 @@
+"""Fixtures for simgpu tests: the built libraries and isolated simulated hosts.
+
+Both libraries attach to their shared state once per process, so every
+scenario runs in fresh subprocesses: Python snippets driving `libcuda.so.1`
+with ctypes or `pynvml` (unmodified, with simgpu's NVML loaded first), and
+the `cuworkload` C program for long-lived or concurrent workloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SIMGPU = REPO / "simgpu"
+
+# Prepended to every snippet: ctypes bindings and small helpers.
+PREAMBLE = textwrap.dedent(
+    """
+    import ctypes, json, os, sys, time
+    LIB = os.environ["SIMGPU_LIB_DIR"]
+    cu = ctypes.CDLL(os.path.join(LIB, "libcuda.so.1"))
+    u64 = ctypes.c_uint64
+
+    def ok(rc, what="call"):
+        if rc != 0:
+            raise SystemExit(f"{what} failed with CUresult {rc}")
+
+    def ctx(dev=0):
+        ok(cu.cuInit(0), "cuInit")
+        c = ctypes.c_void_p()
+        ok(cu.cuCtxCreate_v2(ctypes.byref(c), 0, dev), "cuCtxCreate_v2")
+        return c
+
+    def mem_info():
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        ok(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo_v2")
+        return free.value, total.value
+
+    def nvml():
+        ctypes.CDLL(os.path.join(LIB, "libnvidia-ml.so.1"), mode=ctypes.RTLD_GLOBAL)
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml
+
+    def out(value):
+        print(json.dumps(value), flush=True)
+    """
+)
+
+
+@dataclass
+class Workload:
+    """A running `cuworkload` process."""
+
+    process: subprocess.Popen[str]
+    ready: dict[str, int] = field(default_factory=dict)
+
+    def go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def read_line(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise AssertionError(f"cuworkload exited early (rc={self.process.wait()})")
+        return line.strip()
+
+    def finish(self) -> str:
+        out, _ = self.process.communicate(timeout=60)
+        return out
+
+
+@dataclass
+class SimHost:
+    """One simulated host: its own state file and device list."""
+
+    state: Path
+    devices: str
+    lib_dir: Path
+    workloads: list[Workload] = field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            SIMGPU_STATE=str(self.state),
+            SIMGPU_DEVICES=self.devices,
+            SIMGPU_LIB_DIR=str(self.lib_dir),
+        )
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env.pop("SIMGPU_VISIBLE_DEVICES", None)
+        env.update(extra)
+        return env
+
+    def run(
+        self, code: str, *, check: bool = True, **extra: str
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", PREAMBLE + textwrap.dedent(code)],
+            env=self.env(**extra), capture_output=True, text=True, timeout=60, check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"snippet failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
+    def result(self, code: str, **extra: str) -> Any:
+        """Run a snippet and return the JSON it printed last."""
+        lines = self.run(code, **extra).stdout.strip().splitlines()
+        return json.loads(lines[-1])
+
+    def start(self, *args: str, **extra: str) -> Workload:
+        """Start cuworkload and wait for its "ready" line."""
+        proc = subprocess.Popen(
+            [str(self.lib_dir / "cuworkload"), *args], env=self.env(**extra),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        work = Workload(proc)
+        self.workloads.append(work)
+        while True:
+            line = work.read_line()
+            if line.startswith("ready "):
+                work.ready = {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+                return work
+
+    def stop_all(self) -> None:
+        for work in self.workloads:
+            if work.process.poll() is None:
+                work.process.kill()
+            work.process.wait()
+            for pipe in (work.process.stdin, work.process.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+
+@pytest.fixture(scope="session")
+def simgpu_dir() -> Path:
+    """Build simgpu once per session (make is incremental)."""
+    proc = subprocess.run(["make", "-s", "-C", str(SIMGPU)], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"make -C simgpu failed:\n{proc.stdout}\n{proc.stderr}")
+    return SIMGPU
+
+
+@pytest.fixture
+def sim(simgpu_dir: Path, tmp_path: Path) -> Iterator[SimHost]:
+    """A fresh simulated host: a T4 and a V100 with a known UUID."""
+    host = SimHost(
+        state=tmp_path / "simgpu-state",
+        devices=(
+            "Tesla T4:15109MiB,"
+            "Tesla V100-SXM2-16GB:16160MiB:GPU-00000000-1111-2222-3333-444444444444"
+        ),
+        lib_dir=simgpu_dir,
+    )
+    try:
+        yield host
+    finally:
+        host.stop_all()
