@@ -146,11 +146,11 @@ def build_view(tree: treefs.TreeView, root: str, snapshot: Snapshot | None,
     rows = []
     for gpu in tree.gpus:
         ident = identities.get(gpu.index)
-        total = ident.memory_total_bytes if ident else None
+        total = (ident.memory_total_bytes or None) if ident else None
         figures = live.gpu(gpu.index) if live else None
         rows.append(GpuRow(
-            index=gpu.index, uuid=ident.uuid if ident else None,
-            name=ident.name if ident else None, memory_total_bytes=total,
+            index=gpu.index, uuid=(ident.uuid or None) if ident else None,
+            name=(ident.name or None) if ident else None, memory_total_bytes=total,
             policy=gpu.policy, max_inst=gpu.max_inst, prio_ratio=gpu.prio_ratio,
             free_weight=gpu.free_weight,
             containers=tuple(_container_row(gpu.index, c, total, live)
