@@ -586,8 +586,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="scheduling period in seconds (default %(default)s)")
     parser.add_argument("--tree-refresh", type=float, default=Settings.tree_refresh,
                         help="seconds between full re-reads of every container's nodes")
-    parser.add_argument("--metrics", default="off",
-                        help="serve Prometheus metrics on HOST:PORT, or 'off' (default)")
+    parser.add_argument("--metrics-listen", "--metrics", dest="metrics", default="off",
+                        metavar="HOST:PORT", help="serve Prometheus /metrics on HOST:PORT "
+                        "([::1]:PORT for IPv6), or 'off' (default; the service uses "
+                        "127.0.0.1:9400)")
     parser.add_argument("-v", "--verbose", action="store_true")
     probe = parser.add_mutually_exclusive_group()
     probe.add_argument("--count-gpus", action="store_true",
