@@ -246,6 +246,8 @@ def _socket_key(path: Path) -> tuple[int, int, int] | None:
 class DevicePlugin:
     """Serves the socket, registers with the kubelet, polls health; `run` until `stop`."""
 
+    publish_retry = 30.0  # seconds between attempts to publish aliyun.com/gpu-count
+
     def __init__(
         self, source: GpuSource, config: Config, extender: ExtenderLink | None = None
     ) -> None:
@@ -253,6 +255,7 @@ class DevicePlugin:
         self.source = source
         self.extender = extender
         self._gpu_count_published = extender is None
+        self._next_publish = 0.0
         self.state = DeviceState(Inventory(source.gpus(), config.unit_bytes))
         size = self.state.snapshot()[1].ByteSize()
         if size > KUBELET_MAX_MESSAGE:
@@ -340,14 +343,18 @@ class DevicePlugin:
 
     def _publish_gpu_count(self) -> None:
         """Tell the scheduler extender how many GPUs this node has (after each registration,
-        retried each tick until it works)."""
+        retried every PUBLISH_RETRY seconds until it works)."""
         if self._gpu_count_published or self.extender is None:
+            return
+        now = time.monotonic()
+        if now < self._next_publish:
             return
         count = len(self.state.inventory.gpus)
         try:
             self.extender.publish_gpu_count(count)
         except KubeError as err:
             log.warning("publishing aliyun.com/gpu-count failed (will retry): %s", err)
+            self._next_publish = now + self.publish_retry
             return
         self._gpu_count_published = True
         log.info("node %s: aliyun.com/gpu-count=%d", self.extender.node, count)
@@ -508,7 +515,10 @@ def main(argv: Sequence[str] | None = None, source: GpuSource | None = None) -> 
     signal.signal(signal.SIGINT, on_signal)
     for gpu in plugin.state.inventory.gpus:
         log.info("GPU %d %s: %d devices of 1 %s", gpu.index, gpu.uuid, gpu.units, args.memory_unit)
-    plugin.run(stop)
+    try:
+        plugin.run(stop)
+    except OSError as err:
+        return _fail(err, 1)
     return 0
 
 

@@ -23,7 +23,7 @@ from cgpu_km.deviceplugin.extender import (
     assumed_pod,
     pod_units,
 )
-from cgpu_km.deviceplugin.plugin import extender_link
+from cgpu_km.deviceplugin.plugin import DevicePlugin, extender_link
 
 if TYPE_CHECKING:
     from conftest import FakeSource, Harness
@@ -300,8 +300,10 @@ def test_gpu_count_is_published_after_registration(
     fake_source: FakeSource,
     api: FakeApiServer,
     link: ExtenderLink,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     api.fail_with = 500  # the first attempts fail: the plugin retries
+    monkeypatch.setattr(DevicePlugin, "publish_retry", 0.05)
     h = make_harness(fake_source, extender=link)
     h.kubelet.next_registration()
     h.wait_for(lambda: len(api.patches("nodes")) >= 2, what="retried node patch")
