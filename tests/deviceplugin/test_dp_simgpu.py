@@ -156,3 +156,33 @@ def test_t4_worked_example_six_of_fifteen(sim_env: dict[str, str]) -> None:
     (gpu,) = hook_plan(env, sim_env)["gpus"]  # type: ignore[misc]
     assert gpu["memsize"] == 15109 * MIB * 6 // 15
     assert gpu["memsize"] // MIB == 6043
+
+
+HEALTH_PROBE = """
+import json, os
+from cgpu_km.deviceplugin.source import NvmlGpuSource
+source = NvmlGpuSource()
+seen = [[g.uuid for g in source.gpus()], source.health()]
+os.environ["SIMGPU_VISIBLE_DEVICES"] = "0,1,3"  # GPU 2 falls off the bus
+seen.append(source.health())
+del os.environ["SIMGPU_VISIBLE_DEVICES"]
+seen.append(source.health())
+print(json.dumps(seen))
+"""
+
+
+def test_nvml_health_on_simgpu_follows_a_gpu_that_disappears(sim_env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", HEALTH_PROBE],
+        env=sim_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    uuids, before, lost, back = json.loads(result.stdout)
+    assert uuids == [uuid for _, _, uuid in SIMULATED]
+    assert before == dict.fromkeys(uuids, True)
+    assert lost == {**dict.fromkeys(uuids, True), SIMULATED[2][2]: False}
+    assert back == before
