@@ -27,9 +27,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-from cgpu_km.treefs import TreeView
+from typing import Any
 
 FORMAT = 1
 STATE_DIR_ENV = "CGPU_STATE_DIR"
@@ -245,108 +243,3 @@ def daemon_running(snapshot: Snapshot | None, now: float | None = None) -> bool:
     """The daemon that wrote `snapshot` is alive and still publishing."""
     return snapshot is not None and pid_alive(snapshot.pid) and snapshot.is_fresh(now)
 
-
-Key = tuple[int, str]  # (host GPU index, container name), as the daemon keys containers
-
-
-class Identity(Protocol):
-    """What NVML says a GPU is (`cgpu_km.gpus.GpuInfo` fits)."""
-
-    @property
-    def uuid(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def memory_total(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class GpuIdentity:
-    uuid: str
-    name: str
-    memory_total: int
-
-
-UNKNOWN_GPU = GpuIdentity(uuid="", name="unknown", memory_total=0)
-
-
-class SnapshotBuilder:
-    """Turns the daemon's readings into snapshots (pure: no I/O, no clock).
-
-    It remembers the previous cumulative GPU time of each container, so
-    that `utilization` is the rate since the previous `build`.
-    """
-
-    def __init__(self, *, version: str, pid: int, period: float, started: float,
-                 identities: Mapping[int, Identity]) -> None:
-        self.version = version
-        self.pid = pid
-        self.period = period
-        self.started = started
-        self.identities: dict[int, Identity] = dict(identities)
-        self._previous: tuple[float, Mapping[Key, float]] | None = None
-
-    def _rates(self, now: float, usage: Mapping[Key, float]) -> dict[Key, float] | None:
-        previous, self._previous = self._previous, (now, dict(usage))
-        if previous is None or now <= previous[0]:
-            return None
-        then, old = previous
-        rates = {}
-        for key, value in usage.items():
-            delta = value - old[key] if key in old and value >= old[key] else 0.0
-            rates[key] = min(1.0, max(0.0, delta / (now - then)))
-        return rates
-
-    def build(
-        self,
-        *,
-        now: float,
-        tree: TreeView,
-        usage: Mapping[Key, float],
-        shares: Mapping[Key, float],
-        gate_wait: Mapping[Key, float] | None = None,
-        oom_events: Mapping[Key, int] | None = None,
-        gpu_memory_used: Mapping[int, int] | None = None,
-    ) -> Snapshot:
-        """One snapshot from the tree (configuration, meminfo) and the daemon's measurements.
-
-        `usage` and `gate_wait` are cumulative seconds per container,
-        `oom_events` a cumulative count, `shares` the scheduler's target
-        share (0..1); a container missing from them has 0.
-        """
-        rates = self._rates(now, usage)
-        waits = gate_wait or {}
-        ooms = oom_events or {}
-        used_by_gpu = gpu_memory_used or {}
-        gpus: list[GpuFigures] = []
-        containers: list[ContainerFigures] = []
-        for gpu in tree.gpus:
-            ident = self.identities.get(gpu.index, UNKNOWN_GPU)
-            busy = 0.0
-            for name, ctr in gpu.containers.items():
-                key = (gpu.index, name)
-                rate = rates.get(key, 0.0) if rates is not None else 0.0
-                busy += rate
-                containers.append(ContainerFigures(
-                    name=name, id=ctr.id, gpu=gpu.index, weight=ctr.weight,
-                    highprio=bool(ctr.highprio), util_limit=ctr.util_limit,
-                    target_share=float(shares.get(key, 0.0)), utilization=rate,
-                    memory_used_bytes=sum(ctr.procs.values()),
-                    memory_limit_bytes=ctr.memsize or ident.memory_total,
-                    gpu_time_seconds=float(usage.get(key, 0.0)),
-                    gate_wait_seconds=float(waits.get(key, 0.0)),
-                    oom_events=int(ooms.get(key, 0)),
-                    processes=tuple(ProcessFigures(pid, size)
-                                    for pid, size in sorted(ctr.procs.items())),
-                ))
-            gpus.append(GpuFigures(
-                index=gpu.index, uuid=ident.uuid, name=ident.name,
-                memory_total_bytes=ident.memory_total,
-                memory_used_bytes=used_by_gpu.get(gpu.index),
-                utilization=None if rates is None else min(1.0, busy),
-                policy=gpu.policy, max_inst=gpu.max_inst, prio_ratio=gpu.prio_ratio,
-                free_weight=gpu.free_weight,
-            ))
-        return Snapshot(version=self.version, pid=self.pid, period_seconds=self.period,
-                        timestamp=now, started=self.started, gpus=tuple(gpus),
-                        containers=tuple(containers))
