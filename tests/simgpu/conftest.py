@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +104,11 @@ class SimHost:
         return env
 
     def run(
-        self, code: str, *, check: bool = True, **extra: str
+        self, code: str, *, check: bool = True, wrap: Sequence[str] = (), **extra: str
     ) -> subprocess.CompletedProcess[str]:
+        """Run a snippet (under the `wrap` command line, e.g. unshare)."""
         proc = subprocess.run(
-            [sys.executable, "-c", PREAMBLE + textwrap.dedent(code)],
+            [*wrap, sys.executable, "-c", PREAMBLE + textwrap.dedent(code)],
             env=self.env(**extra), capture_output=True, text=True, timeout=60, check=False,
         )
         if check and proc.returncode != 0:
@@ -116,15 +117,15 @@ class SimHost:
             )
         return proc
 
-    def result(self, code: str, **extra: str) -> Any:
+    def result(self, code: str, *, wrap: Sequence[str] = (), **extra: str) -> Any:
         """Run a snippet and return the JSON it printed last."""
-        lines = self.run(code, **extra).stdout.strip().splitlines()
+        lines = self.run(code, wrap=wrap, **extra).stdout.strip().splitlines()
         return json.loads(lines[-1])
 
-    def start(self, *args: str, **extra: str) -> Workload:
+    def start(self, *args: str, wrap: Sequence[str] = (), **extra: str) -> Workload:
         """Start cuworkload and wait for its "ready" line."""
         proc = subprocess.Popen(
-            [str(self.lib_dir / "cuworkload"), *args], env=self.env(**extra),
+            [*wrap, str(self.lib_dir / "cuworkload"), *args], env=self.env(**extra),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         work = Workload(proc)
