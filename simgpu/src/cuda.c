@@ -2366,10 +2366,18 @@ static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuu
             best = e;
     }
     if (!found) { /* callers sometimes ask for the exported name itself */
+        size_t len = strlen(symbol);
+        int per_thread = len > 5 && (strcmp(symbol + len - 5, "_ptsz") == 0 ||
+                                     strcmp(symbol + len - 5, "_ptds") == 0);
         for (size_t i = 0; i < sizeof(g_procs) / sizeof(g_procs[0]); i++) {
-            if (strcmp(g_procs[i].symbol, symbol) == 0) {
-                best = &g_procs[i];
+            const struct proc_entry *e = &g_procs[i];
+            if (strcmp(e->symbol, symbol) == 0 ||
+                (per_thread && e->fn_ptsz && strlen(e->symbol) == len - 5 &&
+                 strncmp(e->symbol, symbol, len - 5) == 0)) {
+                best = e;
                 found = 1;
+                if (per_thread)
+                    flags |= CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
                 break;
             }
         }

@@ -23,7 +23,6 @@
 
 #include "state.h"
 
-#define EXPORT __attribute__((visibility("default")))
 #define DEV_MAGIC 0x4e564d4cU
 #define DRIVER_VERSION "570.124.06"
 #define NVML_VERSION "12.570.124.06"
@@ -447,9 +446,6 @@ nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned
     return fill_procs(device, infoCount, infos, LAYOUT_V1, 1);
 }
 
-EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device,
-                                                             unsigned int *infoCount,
-                                                             nvmlProcessInfo_v2_t *infos);
 nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
                                                       nvmlProcessInfo_v2_t *infos)
 {
@@ -468,9 +464,6 @@ nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsign
     return fill_procs(device, infoCount, infos, LAYOUT_V1, 1);
 }
 
-EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device,
-                                                               unsigned int *infoCount,
-                                                               nvmlProcessInfo_v2_t *infos);
 nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device,
                                                         unsigned int *infoCount,
                                                         nvmlProcessInfo_v2_t *infos)

@@ -545,3 +545,36 @@ def test_simgpu_pid_overrides_the_recorded_pid(sim: SimHost) -> None:
         out([p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)])
         """
     assert sim.result(code, wrap=wrap) == [4242]
+
+
+def test_get_proc_address_knows_every_export(sim: SimHost) -> None:
+    if shutil.which("nm") is None:
+        pytest.skip("needs nm (binutils) to list the exports")
+    listing = subprocess.run(
+        ["nm", "-D", "--defined-only", str(sim.lib_dir / "libcuda.so.1")],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    exports = sorted(line.split()[-1] for line in listing.splitlines() if " T " in line)
+    assert "cuMemAlloc_v2" in exports
+    assert "cuLaunchKernel_ptsz" in exports
+    # Every exported function is what some (name, version, flags) query returns,
+    # asking by the export's own name or by its base name, as runtimes do.
+    got = sim.result(
+        f"""
+        import re
+        ok(cu.cuInit(0))
+        seen = set()
+        for name in {exports!r}:
+            base = re.sub(r"(_v[0-9]+)?(_ptsz|_ptds)?$", "", name)
+            for query in (name, base):
+                for version in (2000, 3020, 4000, 9020, 10000, 11000, 11040, 12000, 12080):
+                    for flags in (0, 2):
+                        fn = ctypes.c_void_p()
+                        if cu.cuGetProcAddress_v2(query.encode(), ctypes.byref(fn), version,
+                                                  u64(flags), None) == 0:
+                            seen.add(fn.value)
+        out([n for n in {exports!r}
+             if ctypes.cast(getattr(cu, n), ctypes.c_void_p).value not in seen])
+        """
+    )
+    assert got == []
