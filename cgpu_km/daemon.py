@@ -169,6 +169,7 @@ class Daemon:
         self.last_sample = PlaneSample(usage={}, active=set())
         self.usage_start: dict[Key, float] = {}
         self.utilization: dict[Key, float] = {}
+        self._usage_base: tuple[float, Mapping[Key, float]] | None = None
         self.memory = ProcessMemory(by_container={})
         self.stopped: dict[Key, int] = {}
 
@@ -299,18 +300,9 @@ class Daemon:
             await trio.sleep_until(deadline)
 
     async def _serve_gpu(self, state: GpuState) -> None:
-        last_time: float | None = None
         async for sample in state.inbox:
             now = trio.current_time()
             usage = {n: u for (g, n), u in sample.usage.items() if g == state.index}
-            if last_time is not None and now > last_time:
-                previous = self.last_sample.usage
-                for name, used in usage.items():
-                    before = previous.get((state.index, name), used)
-                    self.utilization[state.index, name] = max(0.0, used - before) / (
-                        now - last_time
-                    )
-            last_time = now
             active = {n for (g, n) in sample.active if g == state.index}
             decision = state.scheduler.step(now, usage, active)
             if state.decision is None or decision.open != state.decision.open:
@@ -414,8 +406,20 @@ class Daemon:
         self._saved_state = data
         log.info("restored scheduler state saved %.1f s ago", age)
 
+    def _utilization_since(self, now: float) -> dict[Key, float]:
+        """Each container's GPU time per second since the previous snapshot (0..1)."""
+        usage = dict(self.last_sample.usage)
+        base, self._usage_base = self._usage_base, (now, usage)
+        if base is None or now <= base[0]:
+            return {}
+        then, before = base
+        return {key: min(1.0, max(0.0, used - before.get(key, used)) / (now - then))
+                for key, used in usage.items()}
+
     def snapshot(self) -> snap.Snapshot:
         """The figures `cgpu-smi` and Prometheus show, frozen now."""
+        now = self.wall_clock()
+        self.utilization = self._utilization_since(now)
         gpus = []
         containers = []
         for index in sorted(self.view.nodes):
@@ -458,7 +462,7 @@ class Daemon:
                 ))
         return snap.Snapshot(
             version=self.version, pid=os.getpid(), period_seconds=self.settings.period,
-            timestamp=self.wall_clock(), started=self.started,
+            timestamp=now, started=self.started,
             gpus=tuple(gpus), containers=tuple(containers),
         )
 

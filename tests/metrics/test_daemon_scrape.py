@@ -128,9 +128,10 @@ def test_prometheus_scrapes_the_daemon(node: Node, start_prometheus: Callable[[s
     def measured() -> bool:
         snap = read_snapshot(node.state_dir / "snapshot.json")
         job = snap.container(0, "job1") if snap else None
-        return job is not None and job.memory_used_bytes >= ALLOC and job.gpu_time_seconds > 0
+        return (job is not None and job.memory_used_bytes >= ALLOC and job.gpu_time_seconds > 0
+                and job.utilization > 0.2)  # alone on the GPU: it runs most of the time
 
-    node.wait_for(measured, "the workload's memory and GPU time never showed")
+    node.wait_for(measured, "the workload's memory, GPU time and utilization never showed")
     lint = subprocess.run([promtool, "check", "metrics"], input=node.scrape(), text=True,
                           capture_output=True, check=False)
     assert (lint.returncode, lint.stdout, lint.stderr) == (0, "", "")
