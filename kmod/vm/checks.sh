@@ -101,6 +101,8 @@ weights() {
 	while [ $n -lt $ROUNDS ]; do
 		echo $((RANDOM % 6)) >$R/0/p$((RANDOM % 6 + 1))/weight
 		echo $((RANDOM % 4)) >$R/1/q$((RANDOM % 3 + 1))/weight
+		# containers that churn creates and deletes meanwhile
+		echo $((RANDOM % 3)) >$R/$((RANDOM % 2))/t$((RANDOM % 4))/weight
 		n=$((n + 1))
 	done 2>/dev/null
 }

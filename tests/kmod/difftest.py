@@ -226,7 +226,9 @@ err() {
 	*"resource busy"*) echo "$2 ERR EBUSY" ;;
 	*"No such device"*) echo "$2 ERR ENODEV" ;;
 	*"File exists"*) echo "$2 ERR EEXIST" ;;
-	*"No such file or directory"* | *"nonexistent directory"*) echo "$2 ERR ENOENT" ;;
+	# busybox sh words ENOENT of a redirection its own way
+	*"No such file or directory"* | *"nonexistent directory"* | *"no such file"*)
+		echo "$2 ERR ENOENT" ;;
 	*"Operation not permitted"*) echo "$2 ERR EPERM" ;;
 	*"Permission denied"*) echo "$2 ERR EACCES" ;;
 	*) echo "$2 ERR ? $1" ;;
@@ -234,26 +236,27 @@ err() {
 }
 w() {
 	# echo, not printf: busybox printf fails silently on a write error.
-	if out=$( (echo -ne "$3" >"$R/$2") 2>&1); then echo "$1 OK"; else err "$out" "$1"; fi
+	if out=$(echo -ne "$3" 2>&1 >"$R/$2"); then echo "$1 OK"; else err "$out" "$1"; fi
 }
+# Builtins only (no fork) where no error is expected: the VM is slow at exec.
+content() { v=; while IFS= read -r l; do v="$v$l|"; done <"$1"; }
 r() {
-	if out=$(cat "$R/$2" 2>&1 && echo x); then
-		out=${out%x}
-		echo "$1 = $(printf '%s' "$out" | tr '\n' '|')"
-	else
-		err "$out" "$1"
-	fi
+	if out=$(content "$R/$2" 2>&1 && echo "$v"); then echo "$1 = $out"; else err "$out" "$1"; fi
 }
-show() { echo "$1 D $2 $(tr '\n' '|' <"$R/$2")"; }
+show() { content "$R/$2"; echo "$1 D $2 $v"; }
 dump() {
 	show "$1" default_memsize
 	show "$1" upgrade
 	for g in 0 1; do
-		echo "$1 D $g $(ls "$R/$g" | sort | tr '\n' ' ' | sed 's/ $//')"
+		names=
+		for e in "$R/$g"/*; do names="$names ${e##*/}"; done
+		echo "$1 D $g${names}"
 		for n in policy max_inst prio_ratio free_weight; do show "$1" "$g/$n"; done
-		for c in $(ls "$R/$g" | sort); do
-			[ -d "$R/$g/$c" ] || continue
-			for n in id memsize meminfo weight highprio util_limit; do show "$1" "$g/$c/$n"; done
+		for e in "$R/$g"/*; do
+			[ -d "$e" ] || continue
+			for n in id memsize meminfo weight highprio util_limit; do
+				show "$1" "$g/${e##*/}/$n"
+			done
 		done
 	done
 }
