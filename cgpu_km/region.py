@@ -485,7 +485,10 @@ class Region:
                 continue
             slot = self._layout.proc[view.slot]
             address = ctypes.addressof(slot) + ProcSlot.state.offset
-            if slot.pid != view.pid or not _cas32(address, SLOT_LIVE, SLOT_RECLAIMING):
+            if not _cas32(address, SLOT_LIVE, SLOT_RECLAIMING):
+                continue
+            if slot.pid != view.pid or slot.start_time != view.start_time:
+                slot.state = SLOT_LIVE  # reclaimed and claimed again since we looked
                 continue
             ctypes.memset(ctypes.addressof(slot.gpu), 0, ctypes.sizeof(slot.gpu))
             slot.pid = 0

@@ -78,6 +78,19 @@ CGPU_EXPORT CUresult cgpu_cuGetProcAddress_legacy(const char *symbol, void **pfn
                                                   cuuint64_t flags) __asm__("cuGetProcAddress");
 static legacy_getproc_fn real_cuGetProcAddress_legacy;
 
+/* Unversioned exports with the same ABI as their _v2 (NVIDIA keeps both). */
+CGPU_EXPORT CUresult cgpu_cuCtxCreate_legacy(CUcontext *pctx, unsigned int flags, CUdevice dev)
+    __asm__("cuCtxCreate");
+CGPU_EXPORT CUresult cgpu_cuCtxDestroy_legacy(CUcontext ctx) __asm__("cuCtxDestroy");
+CGPU_EXPORT CUresult cgpu_cuDevicePrimaryCtxRelease_legacy(CUdevice dev)
+    __asm__("cuDevicePrimaryCtxRelease");
+CGPU_EXPORT CUresult cgpu_cuDevicePrimaryCtxReset_legacy(CUdevice dev)
+    __asm__("cuDevicePrimaryCtxReset");
+static __typeof__(&cuCtxCreate_v2) real_cuCtxCreate_legacy;
+static __typeof__(&cuCtxDestroy_v2) real_cuCtxDestroy_legacy;
+static __typeof__(&cuDevicePrimaryCtxRelease_v2) real_cuDevicePrimaryCtxRelease_legacy;
+static __typeof__(&cuDevicePrimaryCtxReset_v2) real_cuDevicePrimaryCtxReset_legacy;
+
 #define DECLARE_REAL(lib, name) static __typeof__(&name) real_##name;
 CGPU_HOOKS(DECLARE_REAL)
 static __typeof__(&cuCtxGetDevice) real_cuCtxGetDevice;
@@ -97,6 +110,13 @@ static struct hook hooks[] = {
     CGPU_HOOKS(HOOK_ENTRY)
     {"cuGetProcAddress", (void *)&cgpu_cuGetProcAddress_legacy,
      (void **)&real_cuGetProcAddress_legacy, LIB_CUDA},
+    {"cuCtxCreate", (void *)&cgpu_cuCtxCreate_legacy, (void **)&real_cuCtxCreate_legacy, LIB_CUDA},
+    {"cuCtxDestroy", (void *)&cgpu_cuCtxDestroy_legacy, (void **)&real_cuCtxDestroy_legacy,
+     LIB_CUDA},
+    {"cuDevicePrimaryCtxRelease", (void *)&cgpu_cuDevicePrimaryCtxRelease_legacy,
+     (void **)&real_cuDevicePrimaryCtxRelease_legacy, LIB_CUDA},
+    {"cuDevicePrimaryCtxReset", (void *)&cgpu_cuDevicePrimaryCtxReset_legacy,
+     (void **)&real_cuDevicePrimaryCtxReset_legacy, LIB_CUDA},
     {"cuCtxGetDevice", NULL, (void **)&real_cuCtxGetDevice, LIB_CUDA},
     {"cuDeviceGetUuid_v2", NULL, (void **)&real_cuDeviceGetUuid_v2, LIB_CUDA},
     {"nvmlDeviceGetUUID", NULL, (void **)&real_nvmlDeviceGetUUID, LIB_NVML},
@@ -641,6 +661,7 @@ CGPU_EXPORT CUresult cuArrayDestroy(CUarray hArray)
 static uint64_t view(const struct cgpu_region *r, int g, uint64_t *used, uint64_t *free_bytes)
 {
     uint64_t limit = __atomic_load_n(&r->gpu[g].limit, __ATOMIC_RELAXED);
+    cgpu_reclaim_dead(); /* processes that exited no longer count */
     *used = cgpu_usage(g);
     if (*used > limit)
         *used = limit;
@@ -819,14 +840,13 @@ CGPU_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params,
     CTX_CREATE(real_cuCtxCreate_v4(pctx, params, flags, dev));
 }
 
-CGPU_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+static CUresult ctx_destroy(__typeof__(&cuCtxDestroy_v2) real, CUcontext ctx)
 {
-    ENSURE_CUDA(cuCtxDestroy_v2);
     uint64_t unused;
     int g = -1;
     int known = cgpu_region() != NULL &&
                 cgpu_track_take(CGPU_TRACK_CTX, (uint64_t)(uintptr_t)ctx, &unused, &g);
-    CUresult rc = real_cuCtxDestroy_v2(ctx);
+    CUresult rc = real(ctx);
     if (known) {
         if (rc == CUDA_SUCCESS)
             ctx_drop(g, 1, 0);
@@ -834,6 +854,24 @@ CGPU_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
             cgpu_track_put(CGPU_TRACK_CTX, (uint64_t)(uintptr_t)ctx, 0, g);
     }
     return rc;
+}
+
+CGPU_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    ENSURE_CUDA(cuCtxDestroy_v2);
+    return ctx_destroy(real_cuCtxDestroy_v2, ctx);
+}
+
+CUresult cgpu_cuCtxDestroy_legacy(CUcontext ctx)
+{
+    ENSURE_CUDA(cuCtxDestroy_legacy);
+    return ctx_destroy(real_cuCtxDestroy_legacy, ctx);
+}
+
+CUresult cgpu_cuCtxCreate_legacy(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    ENSURE_CUDA(cuCtxCreate_legacy);
+    CTX_CREATE(real_cuCtxCreate_legacy(pctx, flags, dev));
 }
 
 CGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
@@ -852,24 +890,37 @@ CGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return rc;
 }
 
+/* After a primary context release (n = 1) or reset (n = all). */
+static CUresult primary_drop(CUresult rc, CUdevice dev, unsigned n)
+{
+    struct cgpu_region *r = cgpu_region();
+    if (rc == CUDA_SUCCESS && r != NULL)
+        ctx_drop(gpu_of_device(r, dev), n, 1);
+    return rc;
+}
+
 CGPU_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
     ENSURE_CUDA(cuDevicePrimaryCtxRelease_v2);
-    CUresult rc = real_cuDevicePrimaryCtxRelease_v2(dev);
-    struct cgpu_region *r = cgpu_region();
-    if (rc == CUDA_SUCCESS && r != NULL)
-        ctx_drop(gpu_of_device(r, dev), 1, 1);
-    return rc;
+    return primary_drop(real_cuDevicePrimaryCtxRelease_v2(dev), dev, 1);
+}
+
+CUresult cgpu_cuDevicePrimaryCtxRelease_legacy(CUdevice dev)
+{
+    ENSURE_CUDA(cuDevicePrimaryCtxRelease_legacy);
+    return primary_drop(real_cuDevicePrimaryCtxRelease_legacy(dev), dev, 1);
 }
 
 CGPU_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
     ENSURE_CUDA(cuDevicePrimaryCtxReset_v2);
-    CUresult rc = real_cuDevicePrimaryCtxReset_v2(dev);
-    struct cgpu_region *r = cgpu_region();
-    if (rc == CUDA_SUCCESS && r != NULL)
-        ctx_drop(gpu_of_device(r, dev), ~0u, 1);
-    return rc;
+    return primary_drop(real_cuDevicePrimaryCtxReset_v2(dev), dev, ~0u);
+}
+
+CUresult cgpu_cuDevicePrimaryCtxReset_legacy(CUdevice dev)
+{
+    ENSURE_CUDA(cuDevicePrimaryCtxReset_legacy);
+    return primary_drop(real_cuDevicePrimaryCtxReset_legacy(dev), dev, ~0u);
 }
 
 /* ------------------------------------------------------------------ */

@@ -147,34 +147,27 @@ int cgpu_reclaim_dead(void)
         struct cgpu_proc *s = &r->proc[i];
         if (s == cgpu_slot_ptr || __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != CGPU_SLOT_LIVE)
             continue;
+        int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
+        uint64_t start = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
         if (slot_owner_alive(s))
             continue;
         uint32_t expect = CGPU_SLOT_LIVE;
         if (!__atomic_compare_exchange_n(&s->state, &expect, CGPU_SLOT_RECLAIMING, 0,
-                                         __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                                         __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE))
             continue;
+        /* The slot may have been reclaimed and claimed by a new process since
+         * we looked (ABA): then it is not ours to zero. */
+        if (__atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) != pid ||
+            __atomic_load_n(&s->start_time, __ATOMIC_SEQ_CST) != start) {
+            __atomic_store_n(&s->state, CGPU_SLOT_LIVE, __ATOMIC_SEQ_CST);
+            continue;
+        }
         slot_zero_usage(s);
         __atomic_store_n(&s->pid, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&s->state, CGPU_SLOT_FREE, __ATOMIC_RELEASE);
         reclaimed++;
     }
     return reclaimed;
-}
-
-static void slot_release(void)
-{
-    struct cgpu_proc *s = cgpu_slot_ptr;
-    if (s == NULL)
-        return;
-    __atomic_store_n(&cgpu_slot_ptr, NULL, __ATOMIC_RELEASE);
-    uint32_t expect = CGPU_SLOT_LIVE;
-    if (__atomic_load_n(&s->pid, __ATOMIC_RELAXED) != getpid() ||
-        !__atomic_compare_exchange_n(&s->state, &expect, CGPU_SLOT_RECLAIMING, 0,
-                                     __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        return;
-    slot_zero_usage(s);
-    __atomic_store_n(&s->pid, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&s->state, CGPU_SLOT_FREE, __ATOMIC_RELEASE);
 }
 
 /* A forked child starts without a slot: the parent's belongs to the parent. */
@@ -186,12 +179,9 @@ static void after_fork_child(void)
     cgpu_hooks_after_fork();
 }
 
-/* At a normal exit the process's bytes leave the container total at once;
- * a killed process's slot is reclaimed by the others or by the daemon. */
-__attribute__((destructor)) static void at_exit_release(void)
-{
-    slot_release();
-}
+/* No slot is released at exit: the driver frees a process's memory only as
+ * it dies, so its bytes leave the total when it is gone (reclaim), never
+ * before. */
 
 static void region_attach(void)
 {
@@ -475,7 +465,6 @@ void cgpu_over_limit(int g, uint64_t request)
     if (script[0] != '\0')
         run_oom_script(script, r, g, limit, usage, request);
     cgpu_log("stopping process %d: eGPU memory limit exceeded", (int)getpid());
-    slot_release();
     kill(getpid(), SIGKILL);
     _exit(137);
 }

@@ -1,0 +1,124 @@
+"""Helpers for libcgpu's tests: the built libraries and a sandbox (a private
+simgpu state, a region file, runners for workloads under the library)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cgpu_km import region as region_mod
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+SIMGPU = REPO / "simgpu"
+LIBCGPU = REPO / "libcgpu"
+UUID = "GPU-6a3f2c10-84b1-4f0e-9d2a-51c7e0b4a9d3"
+DEVICE_TOTAL = 15109 << 20
+
+
+@dataclass(frozen=True)
+class Built:
+    libcgpu: Path
+    simgpu_dir: Path
+    workload: Path
+
+
+class Sandbox:
+    """A private simulated GPU and one container region, with workload runners."""
+
+    def __init__(self, built: Built, tmp: Path) -> None:
+        self.built = built
+        self.tmp = tmp
+        self.region_path = tmp / "ctr.region"
+        self.region: region_mod.Region | None = None
+        self.base_env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LD_LIBRARY_PATH": str(built.simgpu_dir),
+            "SIMGPU_STATE": str(tmp / "simgpu-state"),
+            "SIMGPU_DEVICES": f"Tesla T4:15109MiB:{UUID}",
+            "SIMGPU_CONTEXT_MEM": "0",
+            "PYTHONPATH": str(REPO),
+        }
+        self._beat: threading.Thread | None = None
+        self._beating = threading.Event()
+
+    def make_region(self, limit: int, *, mode: str = "cgpu", uuid: str = UUID,
+                    ctx_bytes: int = 0, oom_script: str = "",
+                    gate_timeout_ns: int = region_mod.DEFAULT_GATE_TIMEOUT_NS
+                    ) -> region_mod.Region:
+        self.region = region_mod.Region.create(
+            self.region_path, "ctr-test", [region_mod.GpuSpec(limit, uuid, 0, ctx_bytes)],
+            mode=mode, oom_script=oom_script, gate_timeout_ns=gate_timeout_ns)
+        return self.region
+
+    def env(self, *, preload: bool = True, region: bool = True, **extra: str) -> dict[str, str]:
+        env = dict(self.base_env)
+        if preload:
+            env["LD_PRELOAD"] = str(self.built.libcgpu)
+        if region:
+            env["CGPU_REGION"] = str(self.region_path)
+        env.update(extra)
+        return env
+
+    def workload(self, *ops: str, getproc: bool = False, timeout: float = 30,
+                 **env_options: bool) -> subprocess.CompletedProcess[str]:
+        args = [str(self.built.workload), *(["--getproc"] if getproc else []), *ops]
+        return subprocess.run(args, env=self.env(**env_options), capture_output=True,
+                              text=True, timeout=timeout)
+
+    def popen(self, args: list[str], **env_options: bool) -> subprocess.Popen[str]:
+        return subprocess.Popen(args, env=self.env(**env_options), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def python(self, script: str, *args: str, timeout: float = 30,
+               **env_options: bool) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", script, *args], env=self.env(**env_options),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def ctypes_workload(self, *ops: str, timeout: float = 30,
+                        **env_options: bool) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(HERE / "ctypes_workload.py"), *ops],
+                              env=self.env(**env_options), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def start_heartbeat(self, period: float = 0.05) -> None:
+        """Act as a live daemon: stamp the heartbeat until stop_heartbeat()."""
+        region = self.region
+        assert region is not None
+        self._beating.set()
+
+        def beat() -> None:
+            while self._beating.is_set():
+                region.heartbeat()
+                time.sleep(period)
+
+        self._beat = threading.Thread(target=beat, daemon=True)
+        self._beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._beating.clear()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+
+    @staticmethod
+    def rcs(output: str) -> list[tuple[str, int]]:
+        """(op, rc) of each workload line that reports a result code."""
+        result = []
+        for line in output.splitlines():
+            if "rc=" in line:
+                op = line.split()[0]
+                result.append((op, int(line.rsplit("rc=", 1)[1].split()[0])))
+        return result
+
+    def close(self) -> None:
+        self.stop_heartbeat()
+        if self.region is not None:
+            self.region.close()
+
+

@@ -1,0 +1,255 @@
+"""libcgpu's memory limit on simgpu: exact to the byte, every allocation path,
+every interception path, racing processes, killed processes, views, eGPU OOM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cgpu_km import region as region_mod
+from tests.libcgpu.sandbox import DEVICE_TOTAL, Sandbox
+
+OOM = 2
+NOT_SUPPORTED = 801
+MiB = 1 << 20
+
+
+def rcs(result: subprocess.CompletedProcess[str]) -> list[tuple[str, int]]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return Sandbox.rcs(result.stdout)
+
+
+def test_passthrough_without_region(sandbox: Sandbox) -> None:
+    """No CGPU_REGION, or a region file that does not exist: nothing is limited."""
+    for env in ({"region": False}, {}):
+        result = sandbox.workload("alloc", str(4 << 30), "info", "total", **env)
+        assert rcs(result) == [("alloc", 0), ("info", 0), ("total", 0)]
+        assert f"total={DEVICE_TOTAL}" in result.stdout
+        assert f"total {DEVICE_TOTAL} " in result.stdout
+        assert result.stderr == ""
+
+
+@pytest.mark.parametrize("getproc", [False, True], ids=["exported", "cuGetProcAddress"])
+def test_exact_limit(sandbox: Sandbox, getproc: bool) -> None:
+    limit = 64 * MiB + 12345
+    sandbox.make_region(limit)
+    result = sandbox.workload("alloc", str(limit), "alloc", "1", "free", "alloc", "1",
+                              "alloc", str(limit - 1), "alloc", "1", "freeall",
+                              "alloc", str(limit), getproc=getproc)
+    assert rcs(result) == [("alloc", 0), ("alloc", OOM), ("free", 0), ("alloc", 0),
+                           ("alloc", 0), ("alloc", OOM), ("freeall", 0), ("alloc", 0)]
+
+
+def test_exact_limit_through_ctypes_dlsym(sandbox: Sandbox) -> None:
+    limit = 8 * MiB + 7
+    sandbox.make_region(limit)
+    result = sandbox.ctypes_workload("alloc", str(limit - 7), "alloc", "8", "alloc", "7",
+                                     "info", "free", "alloc", str(limit))
+    assert rcs(result) == [("alloc", 0), ("alloc", OOM), ("alloc", 0), ("info", 0),
+                           ("free", 0), ("alloc", OOM)]
+    assert f"info free=0 total={limit} " in result.stdout
+
+
+@pytest.mark.parametrize(("ops", "size"), [
+    (["pitch", "1000", "1000"], None),
+    (["create", str(2 * MiB)], 2 * MiB),
+    (["async", str(3 * MiB)], 3 * MiB),
+    (["pool", str(3 * MiB)], 3 * MiB),
+    (["array", "1024", "1024"], MiB),
+    (["array3d", "256", "256", "16"], MiB),
+], ids=["pitch", "cuMemCreate", "async", "pool", "array", "array3d"])
+def test_every_allocation_path_counts(sandbox: Sandbox, ops: list[str],
+                                      size: int | None) -> None:
+    region = sandbox.make_region(16 * MiB)
+    proc = sandbox.popen([str(sandbox.built.workload), *ops, "info", "hold"])
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].endswith("rc=0\n"), lines
+        used = region.usage(0)
+        if size is None:  # pitched: pitch * height, at least width * height
+            pitch = int(lines[0].split("pitch=")[1].split()[0])
+            size = pitch * 1000
+            assert size >= 1000 * 1000
+        assert used == size
+        assert f"free={16 * MiB - size} total={16 * MiB}" in lines[1]
+    finally:
+        proc.communicate(timeout=10)
+    assert region.usage(0) == size, "counted until someone sees the process gone"
+    assert region.reclaim() == [proc.pid]
+    assert region.usage(0) == 0
+
+
+def test_allocation_fails_over_limit_on_every_path(sandbox: Sandbox) -> None:
+    sandbox.make_region(MiB)
+    result = sandbox.workload("create", str(2 * MiB), "async", str(2 * MiB), "pool",
+                              str(2 * MiB), "array", "2048", "1024", "pitch", "2048", "1024")
+    assert [rc for _, rc in rcs(result)] == [OOM] * 5
+
+
+def test_context_memory_counts(sandbox: Sandbox) -> None:
+    ctx = 100 * MiB
+    sandbox.base_env["SIMGPU_CONTEXT_MEM"] = str(ctx)
+    region = sandbox.make_region(ctx + 10 * MiB, ctx_bytes=ctx)
+    result = sandbox.workload("alloc", str(10 * MiB), "alloc", "1", "info")
+    assert rcs(result) == [("alloc", 0), ("alloc", OOM), ("info", 0)]
+    assert f"free=0 total={ctx + 10 * MiB}" in result.stdout
+    # a limit smaller than one context: the context itself is refused
+    region.set_limit(0, ctx - 1)
+    result = sandbox.workload("ctx")
+    assert ("ctx", OOM) in Sandbox.rcs(result.stdout)
+
+
+def test_managed_memory_is_refused(sandbox: Sandbox) -> None:
+    sandbox.make_region(64 * MiB)
+    result = sandbox.workload("managed", str(MiB))
+    assert rcs(result) == [("managed", NOT_SUPPORTED)]
+    assert "managed (unified) memory is not supported" in result.stderr
+
+
+def test_views_show_the_limit(sandbox: Sandbox) -> None:
+    limit = 6043 * MiB
+    sandbox.make_region(limit)
+    result = sandbox.workload("alloc", str(43 * MiB), "info", "total")
+    assert f"info free={6000 * MiB} total={limit} rc=0" in result.stdout
+    assert f"total {limit} rc=0" in result.stdout
+
+
+def test_nvml_shows_the_limit(sandbox: Sandbox) -> None:
+    """pynvml inside the container (dlsym on libnvidia-ml) sees the limit."""
+    limit = 6043 * MiB
+    sandbox.make_region(limit)
+    script = (
+        "import pynvml\n"
+        "pynvml.nvmlInit()\n"
+        "h = pynvml.nvmlDeviceGetHandleByIndex(0)\n"
+        "m = pynvml.nvmlDeviceGetMemoryInfo(h)\n"
+        "m2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)\n"
+        "print(m.total, m.used, m.free, m2.total, m2.used, m2.free)\n"
+    )
+    result = sandbox.python(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(limit), "0", str(limit)] * 2
+    bare = sandbox.python(script, preload=False)
+    assert bare.stdout.split()[0] == str(DEVICE_TOTAL)
+
+
+def _race_round(sandbox: Sandbox, limit: int, processes: int) -> None:
+    max_bytes = limit // 3
+    procs = [subprocess.Popen(
+        [str(sandbox.built.workload), "race", "300", str(max_bytes), str(limit)],
+        env=sandbox.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(processes)]
+    outputs = [p.communicate(timeout=60) for p in procs]
+    for proc, (out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out + err
+        assert out.startswith("race ok="), out
+
+
+def test_racing_processes_never_exceed_the_limit(sandbox: Sandbox) -> None:
+    """8 processes allocate and free at random; simgpu's own per-process
+    accounting (NVML, not intercepted) never shows the container over its limit."""
+    limit = MiB + 333
+    region = sandbox.make_region(limit)
+    for _ in range(3):
+        _race_round(sandbox, limit, 8)
+        region.reclaim()  # those the racers did not reclaim themselves
+        assert region.processes() == []
+        assert region.usage(0) == 0
+
+
+def test_killed_process_frees_its_share(sandbox: Sandbox) -> None:
+    """SIGKILL in the middle of allocating: the share comes back, nobody hangs."""
+    limit = 4 * MiB
+    region = sandbox.make_region(limit)
+    racers = [sandbox.popen([str(sandbox.built.workload), "race", "100000000",
+                             str(MiB), str(limit)]) for _ in range(4)]
+    time.sleep(0.5)
+    for proc in racers:
+        proc.send_signal(signal.SIGKILL)
+    # once dead (zombies, not waited for yet) they no longer count
+    deadline = time.monotonic() + 10
+    while any(region_mod.proc_start_time(p.pid) is not None for p in racers):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    result = sandbox.workload("alloc", str(limit), "info", timeout=10)
+    assert rcs(result)[0] == ("alloc", 0)
+    for proc in racers:
+        proc.communicate(timeout=10)
+        assert proc.returncode == -signal.SIGKILL
+    region.reclaim()
+    assert region.processes() == []
+    assert region.usage(0) == 0
+
+
+def test_daemon_reclaims_dead_slots(sandbox: Sandbox) -> None:
+    region = sandbox.make_region(4 * MiB)
+    proc = sandbox.popen([str(sandbox.built.workload), "alloc", str(MiB), "hold"])
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == f"alloc {MiB} rc=0\n"
+    pid = proc.pid
+    assert [p.pid for p in region.processes()] == [pid]
+    assert region.reclaim() == []
+    os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert region.usage(0) == MiB  # nobody noticed yet
+    assert region.reclaim() == [pid]
+    assert region.usage(0) == 0
+    proc.communicate()
+
+
+def test_egpu_oom_runs_script_and_stops(sandbox: Sandbox, tmp_path: Path) -> None:
+    report = tmp_path / "oom-report"
+    script = tmp_path / "oom.sh"
+    script.write_text(f"#!/bin/sh\nenv | grep '^CGPU_OOM_' | sort > {report}\n")
+    script.chmod(0o755)
+    limit = 32 * MiB
+    sandbox.make_region(limit, mode="egpu", oom_script=str(script))
+    result = sandbox.workload("alloc", str(30 * MiB), "alloc", str(3 * MiB), "alloc", "1")
+    assert result.returncode == -signal.SIGKILL
+    assert result.stdout == f"alloc {30 * MiB} rc=0\n"
+    assert "out of GPU memory" in result.stderr
+    assert "eGPU memory limit exceeded" in result.stderr
+    lines = dict(line.split("=", 1) for line in report.read_text().split())
+    assert lines == {
+        "CGPU_OOM_CONTAINER": "ctr-test", "CGPU_OOM_GPU": "0", "CGPU_OOM_LIMIT": str(limit),
+        "CGPU_OOM_USAGE": str(30 * MiB), "CGPU_OOM_REQUEST": str(3 * MiB),
+        "CGPU_OOM_PID": lines["CGPU_OOM_PID"],
+    }
+
+
+def test_egpu_oom_script_from_environment(sandbox: Sandbox, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    script = tmp_path / "oom.sh"
+    script.write_text(f"#!/bin/sh\necho $CGPU_OOM_REQUEST > {marker}\n")
+    script.chmod(0o755)
+    sandbox.make_region(MiB, mode="egpu")
+    sandbox.base_env["ALIYUN_COM_GPU_OOM_SCRIPT"] = str(script)
+    result = sandbox.workload("alloc", str(2 * MiB))
+    assert result.returncode == -signal.SIGKILL
+    assert marker.read_text() == f"{2 * MiB}\n"
+
+
+def test_device_not_in_the_container_is_refused(sandbox: Sandbox) -> None:
+    sandbox.make_region(MiB, uuid="GPU-00000000-0000-0000-0000-000000000000")
+    result = sandbox.workload("ctx")
+    assert Sandbox.rcs(result.stdout) == [("ctx", 101)]
+    assert "not assigned to the container" in result.stderr
+
+
+def test_region_by_ordinal_without_uuid(sandbox: Sandbox) -> None:
+    sandbox.make_region(MiB, uuid="")
+    result = sandbox.workload("alloc", str(MiB), "alloc", "1")
+    assert rcs(result) == [("alloc", 0), ("alloc", OOM)]
+
+
+def test_bad_region_is_reported(sandbox: Sandbox) -> None:
+    sandbox.region_path.write_bytes(b"\0" * region_mod.REGION_SIZE)
+    result = sandbox.workload("alloc", str(MiB))
+    assert rcs(result) == [("alloc", 0)]
+    assert "unknown layout" in result.stderr

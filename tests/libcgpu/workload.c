@@ -1,0 +1,469 @@
+/*
+ * workload.c: a driver-API workload for libcgpu's tests and benchmarks.
+ *
+ *   workload [--getproc] [--device N] OP ...
+ *
+ * With --getproc every entry point is fetched through cuGetProcAddress (as
+ * CUDA 12 runtimes do); otherwise the exported symbols are called directly.
+ * Each OP prints one line "OP ... rc=<CUresult>" so tests can assert on it.
+ *
+ *   alloc N | pitch W H | create N | async N | pool N | array W H | array3d W H D
+ *   managed N | free | freeall | info | total | ctx | launch COUNT NAME | graph COUNT
+ *   coop COUNT NAME | launchex COUNT NAME | sync | sleep MS | hold   (wait for stdin EOF)
+ *   race ITERATIONS MAXBYTES LIMIT  (random alloc/free; exits 3 if the device's own
+ *                                    per-process accounting, read through NVML's
+ *                                    process list which libcgpu does not intercept,
+ *                                    ever shows more than LIMIT in use)
+ *   bench-launch COUNT NAME  (prints ns per launch)   bench-alloc COUNT BYTES
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <dlfcn.h>
+
+#include "cuda.h"
+#include "nvml.h"
+
+#define MAX_HELD 4096
+
+static struct {
+    __typeof__(&cuInit) init;
+    __typeof__(&cuDeviceGet) deviceGet;
+    __typeof__(&cuDevicePrimaryCtxRetain) primaryRetain;
+    __typeof__(&cuCtxSetCurrent) ctxSetCurrent;
+    __typeof__(&cuCtxCreate_v2) ctxCreate;
+    __typeof__(&cuMemAlloc_v2) memAlloc;
+    __typeof__(&cuMemAllocPitch_v2) memAllocPitch;
+    __typeof__(&cuMemFree_v2) memFree;
+    __typeof__(&cuMemAllocManaged) memAllocManaged;
+    __typeof__(&cuMemAllocAsync) memAllocAsync;
+    __typeof__(&cuMemAllocFromPoolAsync) memAllocFromPool;
+    __typeof__(&cuDeviceGetDefaultMemPool) defaultPool;
+    __typeof__(&cuMemFreeAsync) memFreeAsync;
+    __typeof__(&cuMemCreate) memCreate;
+    __typeof__(&cuMemRelease) memRelease;
+    __typeof__(&cuArrayCreate_v2) arrayCreate;
+    __typeof__(&cuArray3DCreate_v2) array3DCreate;
+    __typeof__(&cuArrayDestroy) arrayDestroy;
+    __typeof__(&cuMemGetInfo_v2) memGetInfo;
+    __typeof__(&cuDeviceTotalMem_v2) totalMem;
+    __typeof__(&cuModuleLoadData) moduleLoadData;
+    __typeof__(&cuModuleGetFunction) moduleGetFunction;
+    __typeof__(&cuLaunchKernel) launchKernel;
+    __typeof__(&cuLaunchKernelEx) launchKernelEx;
+    __typeof__(&cuLaunchCooperativeKernel) launchCoop;
+    __typeof__(&cuCtxSynchronize) ctxSynchronize;
+    __typeof__(&cuStreamBeginCapture_v2) beginCapture;
+    __typeof__(&cuStreamEndCapture) endCapture;
+    __typeof__(&cuStreamCreate) streamCreate;
+    __typeof__(&cuGraphInstantiateWithFlags) graphInstantiate;
+    __typeof__(&cuGraphLaunch) graphLaunch;
+} api;
+
+static void bind_exported(void)
+{
+    api.init = cuInit;
+    api.deviceGet = cuDeviceGet;
+    api.primaryRetain = cuDevicePrimaryCtxRetain;
+    api.ctxSetCurrent = cuCtxSetCurrent;
+    api.ctxCreate = cuCtxCreate_v2;
+    api.memAlloc = cuMemAlloc_v2;
+    api.memAllocPitch = cuMemAllocPitch_v2;
+    api.memFree = cuMemFree_v2;
+    api.memAllocManaged = cuMemAllocManaged;
+    api.memAllocAsync = cuMemAllocAsync;
+    api.memAllocFromPool = cuMemAllocFromPoolAsync;
+    api.defaultPool = cuDeviceGetDefaultMemPool;
+    api.memFreeAsync = cuMemFreeAsync;
+    api.memCreate = cuMemCreate;
+    api.memRelease = cuMemRelease;
+    api.arrayCreate = cuArrayCreate_v2;
+    api.array3DCreate = cuArray3DCreate_v2;
+    api.arrayDestroy = cuArrayDestroy;
+    api.memGetInfo = cuMemGetInfo_v2;
+    api.totalMem = cuDeviceTotalMem_v2;
+    api.moduleLoadData = cuModuleLoadData;
+    api.moduleGetFunction = cuModuleGetFunction;
+    api.launchKernel = cuLaunchKernel;
+    api.launchKernelEx = cuLaunchKernelEx;
+    api.launchCoop = cuLaunchCooperativeKernel;
+    api.ctxSynchronize = cuCtxSynchronize;
+    api.beginCapture = cuStreamBeginCapture_v2;
+    api.endCapture = cuStreamEndCapture;
+    api.streamCreate = cuStreamCreate;
+    api.graphInstantiate = cuGraphInstantiateWithFlags;
+    api.graphLaunch = cuGraphLaunch;
+}
+
+static void *getproc(const char *name)
+{
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult status;
+    CUresult rc = cuGetProcAddress_v2(name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+    if (rc != CUDA_SUCCESS || fn == NULL) {
+        fprintf(stderr, "cuGetProcAddress(%s) failed: %d\n", name, (int)rc);
+        exit(2);
+    }
+    return fn;
+}
+
+/* The unversioned names, as the CUDA runtime asks for them. */
+static void bind_getproc(void)
+{
+    cuInit(0);
+    api.init = getproc("cuInit");
+    api.deviceGet = getproc("cuDeviceGet");
+    api.primaryRetain = getproc("cuDevicePrimaryCtxRetain");
+    api.ctxSetCurrent = getproc("cuCtxSetCurrent");
+    api.ctxCreate = getproc("cuCtxCreate");
+    api.memAlloc = getproc("cuMemAlloc");
+    api.memAllocPitch = getproc("cuMemAllocPitch");
+    api.memFree = getproc("cuMemFree");
+    api.memAllocManaged = getproc("cuMemAllocManaged");
+    api.memAllocAsync = getproc("cuMemAllocAsync");
+    api.memAllocFromPool = getproc("cuMemAllocFromPoolAsync");
+    api.defaultPool = getproc("cuDeviceGetDefaultMemPool");
+    api.memFreeAsync = getproc("cuMemFreeAsync");
+    api.memCreate = getproc("cuMemCreate");
+    api.memRelease = getproc("cuMemRelease");
+    api.arrayCreate = getproc("cuArrayCreate");
+    api.array3DCreate = getproc("cuArray3DCreate");
+    api.arrayDestroy = getproc("cuArrayDestroy");
+    api.memGetInfo = getproc("cuMemGetInfo");
+    api.totalMem = getproc("cuDeviceTotalMem");
+    api.moduleLoadData = getproc("cuModuleLoadData");
+    api.moduleGetFunction = getproc("cuModuleGetFunction");
+    api.launchKernel = getproc("cuLaunchKernel");
+    api.launchKernelEx = getproc("cuLaunchKernelEx");
+    api.launchCoop = getproc("cuLaunchCooperativeKernel");
+    api.ctxSynchronize = getproc("cuCtxSynchronize");
+    api.beginCapture = getproc("cuStreamBeginCapture");
+    api.endCapture = getproc("cuStreamEndCapture");
+    api.streamCreate = getproc("cuStreamCreate");
+    api.graphInstantiate = getproc("cuGraphInstantiate");
+    api.graphLaunch = getproc("cuGraphLaunch");
+}
+
+enum kind { K_PTR, K_ASYNC, K_HANDLE, K_ARRAY };
+static struct held {
+    enum kind kind;
+    unsigned long long value;
+} held[MAX_HELD];
+static int nheld;
+static int device_ordinal;
+static CUdevice device;
+static int have_ctx;
+
+static unsigned long long arg_u64(char **argv, int i, int argc)
+{
+    if (i >= argc) {
+        fprintf(stderr, "missing argument\n");
+        exit(2);
+    }
+    return strtoull(argv[i], NULL, 0);
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static CUresult ensure_ctx(void)
+{
+    if (have_ctx)
+        return CUDA_SUCCESS;
+    CUcontext ctx;
+    CUresult rc = api.init(0);
+    if (rc == CUDA_SUCCESS)
+        rc = api.deviceGet(&device, device_ordinal);
+    if (rc == CUDA_SUCCESS)
+        rc = api.primaryRetain(&ctx, device);
+    if (rc == CUDA_SUCCESS)
+        rc = api.ctxSetCurrent(ctx);
+    have_ctx = rc == CUDA_SUCCESS;
+    return rc;
+}
+
+static void hold(enum kind kind, unsigned long long value)
+{
+    if (nheld < MAX_HELD)
+        held[nheld++] = (struct held){kind, value};
+}
+
+static CUresult release(struct held h)
+{
+    switch (h.kind) {
+    case K_PTR:
+        return api.memFree(h.value);
+    case K_ASYNC:
+        return api.memFreeAsync(h.value, NULL);
+    case K_HANDLE:
+        return api.memRelease(h.value);
+    case K_ARRAY:
+        return api.arrayDestroy((CUarray)(uintptr_t)h.value);
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Bytes that all processes hold on device 0, from NVML's process list. */
+static unsigned long long device_used(void)
+{
+    static nvmlReturn_t (*list)(nvmlDevice_t, unsigned int *, nvmlProcessInfo_t *);
+    static nvmlDevice_t dev;
+    if (list == NULL) {
+        void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+        nvmlReturn_t (*init)(void) = h ? (nvmlReturn_t(*)(void))dlsym(h, "nvmlInit_v2") : NULL;
+        nvmlReturn_t (*get)(unsigned int, nvmlDevice_t *) =
+            h ? (nvmlReturn_t(*)(unsigned int, nvmlDevice_t *))dlsym(
+                    h, "nvmlDeviceGetHandleByIndex_v2")
+              : NULL;
+        list = h ? (nvmlReturn_t(*)(nvmlDevice_t, unsigned int *, nvmlProcessInfo_t *))dlsym(
+                       h, "nvmlDeviceGetComputeRunningProcesses_v3")
+                 : NULL;
+        if (!init || !get || !list || init() != NVML_SUCCESS || get(0, &dev) != NVML_SUCCESS) {
+            fprintf(stderr, "NVML is not usable\n");
+            exit(2);
+        }
+    }
+    nvmlProcessInfo_t infos[512];
+    unsigned int n = 512;
+    if (list(dev, &n, infos) != NVML_SUCCESS) {
+        fprintf(stderr, "NVML process list failed\n");
+        exit(2);
+    }
+    unsigned long long sum = 0;
+    for (unsigned int k = 0; k < n; k++)
+        sum += infos[k].usedGpuMemory;
+    return sum;
+}
+
+static CUfunction function_named(const char *name)
+{
+    static CUmodule module;
+    CUfunction f = NULL;
+    if (module == NULL && api.moduleLoadData(&module, "workload") != CUDA_SUCCESS)
+        return NULL;
+    if (api.moduleGetFunction(&f, module, name) != CUDA_SUCCESS)
+        return NULL;
+    return f;
+}
+
+static CUresult launch(const char *how, CUfunction f)
+{
+    if (strcmp(how, "launchex") == 0) {
+        CUlaunchConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = 1;
+        cfg.blockDimX = cfg.blockDimY = cfg.blockDimZ = 1;
+        return api.launchKernelEx(&cfg, f, NULL, NULL);
+    }
+    if (strcmp(how, "coop") == 0)
+        return api.launchCoop(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL);
+    return api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+}
+
+int main(int argc, char **argv)
+{
+    int i = 1;
+    int use_getproc = 0;
+    for (; i < argc && strncmp(argv[i], "--", 2) == 0; i++) {
+        if (strcmp(argv[i], "--getproc") == 0)
+            use_getproc = 1;
+        else if (strcmp(argv[i], "--device") == 0)
+            device_ordinal = (int)arg_u64(argv, ++i, argc);
+    }
+    if (use_getproc)
+        bind_getproc();
+    else
+        bind_exported();
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    srand((unsigned)(getpid() ^ (unsigned)now_ns()));
+
+    for (; i < argc; i++) {
+        const char *op = argv[i];
+        CUresult rc = ensure_ctx();
+        if (strcmp(op, "ctx") == 0) {
+            printf("ctx rc=%d\n", (int)rc);
+            continue;
+        }
+        if (rc != CUDA_SUCCESS) {
+            printf("%s rc=%d (no context)\n", op, (int)rc);
+            return 1;
+        }
+        if (strcmp(op, "alloc") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            CUdeviceptr p = 0;
+            rc = api.memAlloc(&p, n);
+            if (rc == CUDA_SUCCESS)
+                hold(K_PTR, p);
+            printf("alloc %llu rc=%d\n", n, (int)rc);
+        } else if (strcmp(op, "pitch") == 0) {
+            unsigned long long w = arg_u64(argv, ++i, argc), h = arg_u64(argv, ++i, argc);
+            CUdeviceptr p = 0;
+            size_t pitch = 0;
+            rc = api.memAllocPitch(&p, &pitch, w, h, 4);
+            if (rc == CUDA_SUCCESS)
+                hold(K_PTR, p);
+            printf("pitch %llu %llu pitch=%zu rc=%d\n", w, h, pitch, (int)rc);
+        } else if (strcmp(op, "create") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            CUmemAllocationProp prop;
+            memset(&prop, 0, sizeof prop);
+            prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            prop.location.id = device;
+            CUmemGenericAllocationHandle h = 0;
+            rc = api.memCreate(&h, n, &prop, 0);
+            if (rc == CUDA_SUCCESS)
+                hold(K_HANDLE, h);
+            printf("create %llu rc=%d\n", n, (int)rc);
+        } else if (strcmp(op, "async") == 0 || strcmp(op, "pool") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            CUdeviceptr p = 0;
+            if (op[0] == 'a') {
+                rc = api.memAllocAsync(&p, n, NULL);
+            } else {
+                CUmemoryPool pool;
+                rc = api.defaultPool(&pool, device);
+                if (rc == CUDA_SUCCESS)
+                    rc = api.memAllocFromPool(&p, n, pool, NULL);
+            }
+            if (rc == CUDA_SUCCESS)
+                hold(K_ASYNC, p);
+            printf("%s %llu rc=%d\n", op, n, (int)rc);
+        } else if (strcmp(op, "array") == 0 || strcmp(op, "array3d") == 0) {
+            CUarray a = NULL;
+            unsigned long long w = arg_u64(argv, ++i, argc), h = arg_u64(argv, ++i, argc);
+            if (op[5] == '3') {
+                CUDA_ARRAY3D_DESCRIPTOR d = {w, h, arg_u64(argv, ++i, argc),
+                                             CU_AD_FORMAT_UNSIGNED_INT8, 1, 0};
+                rc = api.array3DCreate(&a, &d);
+            } else {
+                CUDA_ARRAY_DESCRIPTOR d = {w, h, CU_AD_FORMAT_UNSIGNED_INT8, 1};
+                rc = api.arrayCreate(&a, &d);
+            }
+            if (rc == CUDA_SUCCESS)
+                hold(K_ARRAY, (unsigned long long)(uintptr_t)a);
+            printf("%s rc=%d\n", op, (int)rc);
+        } else if (strcmp(op, "managed") == 0) {
+            CUdeviceptr p = 0;
+            rc = api.memAllocManaged(&p, arg_u64(argv, ++i, argc), CU_MEM_ATTACH_GLOBAL);
+            printf("managed rc=%d\n", (int)rc);
+        } else if (strcmp(op, "free") == 0) {
+            rc = nheld > 0 ? release(held[--nheld]) : CUDA_ERROR_INVALID_VALUE;
+            printf("free rc=%d\n", (int)rc);
+        } else if (strcmp(op, "freeall") == 0) {
+            rc = CUDA_SUCCESS;
+            while (nheld > 0 && rc == CUDA_SUCCESS)
+                rc = release(held[--nheld]);
+            printf("freeall rc=%d\n", (int)rc);
+        } else if (strcmp(op, "info") == 0) {
+            size_t f = 0, t = 0;
+            rc = api.memGetInfo(&f, &t);
+            printf("info free=%zu total=%zu rc=%d\n", f, t, (int)rc);
+        } else if (strcmp(op, "total") == 0) {
+            size_t t = 0;
+            rc = api.totalMem(&t, device);
+            printf("total %zu rc=%d\n", t, (int)rc);
+        } else if (strcmp(op, "launch") == 0 || strcmp(op, "coop") == 0 ||
+                   strcmp(op, "launchex") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            CUfunction f = function_named(argv[++i < argc ? i : argc - 1]);
+            rc = f ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+            for (unsigned long long k = 0; k < n && rc == CUDA_SUCCESS; k++)
+                rc = launch(op, f);
+            if (rc == CUDA_SUCCESS)
+                rc = api.ctxSynchronize();
+            printf("%s %llu rc=%d\n", op, n, (int)rc);
+        } else if (strcmp(op, "graph") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            CUstream s;
+            CUgraph g;
+            CUgraphExec ge;
+            CUfunction f = function_named("sleep_0");
+            rc = api.streamCreate(&s, 0);
+            if (rc == CUDA_SUCCESS)
+                rc = api.beginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL);
+            if (rc == CUDA_SUCCESS)
+                rc = api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+            if (rc == CUDA_SUCCESS)
+                rc = api.endCapture(s, &g);
+            if (rc == CUDA_SUCCESS)
+                rc = api.graphInstantiate(&ge, g, 0);
+            for (unsigned long long k = 0; k < n && rc == CUDA_SUCCESS; k++)
+                rc = api.graphLaunch(ge, s);
+            if (rc == CUDA_SUCCESS)
+                rc = api.ctxSynchronize();
+            printf("graph %llu rc=%d\n", n, (int)rc);
+        } else if (strcmp(op, "sync") == 0) {
+            printf("sync rc=%d\n", (int)api.ctxSynchronize());
+        } else if (strcmp(op, "sleep") == 0) {
+            usleep((useconds_t)(arg_u64(argv, ++i, argc) * 1000));
+        } else if (strcmp(op, "hold") == 0) {
+            printf("holding\n");
+            char buf[64];
+            while (fread(buf, 1, sizeof buf, stdin) > 0)
+                ;
+        } else if (strcmp(op, "race") == 0) {
+            unsigned long long iters = arg_u64(argv, ++i, argc);
+            unsigned long long maxb = arg_u64(argv, ++i, argc);
+            unsigned long long limit = arg_u64(argv, ++i, argc);
+            unsigned long long ok = 0, refused = 0;
+            for (unsigned long long k = 0; k < iters; k++) {
+                if (nheld > 0 && (rand() % 3 == 0 || nheld == MAX_HELD)) {
+                    int j = rand() % nheld;
+                    api.memFree(held[j].value);
+                    held[j] = held[--nheld];
+                    continue;
+                }
+                CUdeviceptr p = 0;
+                unsigned long long n = 1 + (unsigned long long)rand() % maxb;
+                rc = api.memAlloc(&p, n);
+                if (rc == CUDA_SUCCESS) {
+                    hold(K_PTR, p);
+                    ok++;
+                } else {
+                    refused++;
+                }
+                unsigned long long used = device_used();
+                if (used > limit) {
+                    printf("race over limit: the device holds %llu > %llu\n", used, limit);
+                    return 3;
+                }
+            }
+            printf("race ok=%llu refused=%llu\n", ok, refused);
+        } else if (strcmp(op, "bench-launch") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            CUfunction f = function_named(argv[++i < argc ? i : argc - 1]);
+            if (f == NULL)
+                return 1;
+            uint64_t t0 = now_ns();
+            for (unsigned long long k = 0; k < n; k++)
+                api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            uint64_t t1 = now_ns();
+            api.ctxSynchronize();
+            uint64_t t2 = now_ns();
+            printf("bench-launch issue_ns=%.1f total_ns=%.1f\n", (double)(t1 - t0) / (double)n,
+                   (double)(t2 - t0) / (double)n);
+        } else if (strcmp(op, "bench-alloc") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc), bytes = arg_u64(argv, ++i, argc);
+            uint64_t t0 = now_ns();
+            for (unsigned long long k = 0; k < n; k++) {
+                CUdeviceptr p;
+                if (api.memAlloc(&p, bytes) == CUDA_SUCCESS)
+                    api.memFree(p);
+            }
+            printf("bench-alloc ns=%.1f\n", (double)(now_ns() - t0) / (double)n);
+        } else {
+            fprintf(stderr, "unknown op %s\n", op);
+            return 2;
+        }
+    }
+    return 0;
+}
