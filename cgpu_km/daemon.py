@@ -26,6 +26,7 @@ from the state file when it is recent.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -66,6 +67,8 @@ Blocking = Callable[[Callable[[], T]], Awaitable[T]]
 STATE_FORMAT = 1
 STATE_NAME = "daemon-state.json"
 UPGRADED_ENV = "CGPU_DAEMON_UPGRADED"
+# Achieved utilization in the snapshot: GPU time per second over this many seconds.
+UTILIZATION_WINDOW = 5.0
 # Scheduler credits older than this are not restored (the world moved on).
 STATE_MAX_AGE = 60.0
 
@@ -169,7 +172,8 @@ class Daemon:
         self.last_sample = PlaneSample(usage={}, active=set())
         self.usage_start: dict[Key, float] = {}
         self.utilization: dict[Key, float] = {}
-        self._usage_base: tuple[float, Mapping[Key, float]] | None = None
+        self._usage_history: collections.deque[tuple[float, dict[Key, float]]] = (
+            collections.deque())
         self.memory = ProcessMemory(by_container={})
         self.stopped: dict[Key, int] = {}
 
@@ -407,9 +411,13 @@ class Daemon:
         log.info("restored scheduler state saved %.1f s ago", age)
 
     def _utilization_since(self, now: float) -> dict[Key, float]:
-        """Each container's GPU time per second since the previous snapshot (0..1)."""
+        """Each container's GPU time per second over the last UTILIZATION_WINDOW (0..1)."""
         usage = dict(self.last_sample.usage)
-        base, self._usage_base = self._usage_base, (now, usage)
+        history = self._usage_history
+        while history and now - history[0][0] > UTILIZATION_WINDOW:
+            history.popleft()
+        base = history[0] if history else None
+        history.append((now, usage))
         if base is None or now <= base[0]:
             return {}
         then, before = base

@@ -76,7 +76,8 @@ GPU_METRICS = (
     MetricSpec("cgpu_gpu_memory_used_bytes", "gauge", GPU_LABELS,
                "Memory in use on the GPU, all processes.", lambda g: g.memory_used_bytes),
     MetricSpec("cgpu_gpu_utilization_ratio", "gauge", GPU_LABELS,
-               "Fraction of the last period the GPU was busy.", lambda g: g.utilization),
+               "Fraction of the last seconds (up to 5) the GPU ran managed containers' kernels.",
+               lambda g: g.utilization),
     MetricSpec("cgpu_gpu_policy", "gauge", GPU_LABELS,
                "Scheduling policy (0 fair-share, 1 preemptive, 2 weight-based preemptive, "
                "3 fixed, 4 soft, 5 native).", lambda g: g.policy),
@@ -103,10 +104,11 @@ CONTAINER_METRICS = (
                "Share of GPU time the scheduler gives the container now.",
                lambda c: c.target_share),
     MetricSpec("cgpu_container_utilization_ratio", "gauge", CONTAINER_LABELS,
-               "Fraction of the last period the GPU ran the container's kernels.",
+               "Fraction of the last seconds (up to 5) the GPU ran the container's kernels.",
                lambda c: c.utilization),
     MetricSpec("cgpu_container_gate_wait_seconds_total", "counter", CONTAINER_LABELS,
-               "Time the container's kernel launches waited at its closed gate.",
+               "Time the container's kernel launches waited at its closed gate, summed over "
+               "its processes.",
                lambda c: c.gate_wait_seconds),
     MetricSpec("cgpu_container_oom_events_total", "counter", CONTAINER_LABELS,
                "Allocations refused, or processes stopped, for exceeding the memory limit.",

@@ -62,11 +62,11 @@ class ContainerFigures:
     highprio: bool
     util_limit: int  # percent, 0 = none (the tree's node)
     target_share: float  # ratio of GPU time the scheduler gives it now
-    utilization: float  # ratio of GPU time it used over the last period
+    utilization: float  # GPU time per second over the last seconds (the daemon's window)
     memory_used_bytes: int
     memory_limit_bytes: int  # effective: the device total when memsize is 0
     gpu_time_seconds: float  # counter: GPU busy time of its kernels
-    gate_wait_seconds: float  # counter: time its launches waited at a closed gate
+    gate_wait_seconds: float  # counter: time its launches waited at a closed gate (all procs)
     oom_events: int  # counter: allocations refused or processes stopped for memory
     processes: tuple[ProcessFigures, ...] = ()
 
@@ -80,7 +80,7 @@ class GpuFigures:
     name: str
     memory_total_bytes: int
     memory_used_bytes: int | None  # None when NVML cannot tell
-    utilization: float | None  # ratio busy over the last period; None when unknown
+    utilization: float | None  # ratio busy over the last seconds; None when unknown
     policy: int
     max_inst: int
     prio_ratio: int  # percent (the tree's node)
