@@ -53,7 +53,6 @@
 #endif
 
 #define CGPU_PID_MAX 2147483647ULL
-#define CGPU_OPTIONS 4
 
 struct cgpu_gpu;
 struct cgpu_ctr;
@@ -192,9 +191,14 @@ static bool cgpu_valid_id(const char *name)
 
 enum cgpu_verb { CGPU_ADD, CGPU_DEL, CGPU_MEMINFO };
 
-/* The add options, in the order of their container slots. */
+/* The options of add: each sets the container node of the same name. */
+enum cgpu_option { CGPU_OPT_MEMSIZE, CGPU_OPT_WEIGHT, CGPU_OPT_HIGHPRIO, CGPU_OPT_UTIL_LIMIT,
+		   CGPU_OPTIONS };
 static const enum cgpu_node_id cgpu_option_nodes[CGPU_OPTIONS] = {
-	CGPU_NODE_MEMSIZE, CGPU_NODE_WEIGHT, CGPU_NODE_HIGHPRIO, CGPU_NODE_UTIL_LIMIT,
+	[CGPU_OPT_MEMSIZE] = CGPU_NODE_MEMSIZE,
+	[CGPU_OPT_WEIGHT] = CGPU_NODE_WEIGHT,
+	[CGPU_OPT_HIGHPRIO] = CGPU_NODE_HIGHPRIO,
+	[CGPU_OPT_UTIL_LIMIT] = CGPU_NODE_UTIL_LIMIT,
 };
 
 struct cgpu_cmd {
@@ -611,12 +615,11 @@ static struct cgpu_ctr *cgpu_new_ctr(struct cgpu_gpu *gpu, const char *name)
 /* The checks of add, in the state model's order; under cgpu.lock. */
 static int cgpu_add_check(const struct cgpu_cmd *cmd, struct cgpu_gpu **gpu)
 {
-	const unsigned int weight = 1;	/* index of weight in cgpu_option_nodes */
-
 	if (cmd->gpu >= cgpu.ngpus)
 		return -ENODEV;
 	*gpu = &cgpu.gpus[cmd->gpu];
-	if (cmd->has_option[weight] && cmd->option[weight] > (*gpu)->val[CGPU_GPU_MAX_INST])
+	if (cmd->has_option[CGPU_OPT_WEIGHT] &&
+	    cmd->option[CGPU_OPT_WEIGHT] > (*gpu)->val[CGPU_GPU_MAX_INST])
 		return -EINVAL;
 	if (cgpu_find(*gpu, cmd->name))
 		return -EEXIST;
@@ -647,7 +650,7 @@ static void cgpu_link(struct cgpu_gpu *gpu, struct cgpu_ctr *ctr, const struct c
 	for (k = 0; k < CGPU_OPTIONS; k++)
 		val[cgpu_nodes[cgpu_option_nodes[k]].slot] = cmd->has_option[k] ?
 			cmd->option[k] : cgpu_nodes[cgpu_option_nodes[k]].initial;
-	if (!cmd->has_option[0])
+	if (!cmd->has_option[CGPU_OPT_MEMSIZE])
 		val[CGPU_CONTAINER_MEMSIZE] = cgpu.val[CGPU_ROOT_DEFAULT_MEMSIZE];
 	val[CGPU_CONTAINER_WEIGHT] = min(val[CGPU_CONTAINER_WEIGHT], cgpu_free_weight(gpu));
 	ctr->ident = cgpu_ident_for(ctr->name);
