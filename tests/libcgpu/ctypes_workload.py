@@ -1,6 +1,7 @@
 """A Python workload on libcuda.so.1 through ctypes (the dlsym path of libcgpu).
 
-    python ctypes_workload.py OP ...   with OP: alloc N | free | info | total | launch COUNT NAME
+    python ctypes_workload.py OP ...
+    OP: alloc N | free | info | total | launch COUNT NAME | wait (read a line from stdin)
 
 Prints one line "OP ... rc=<CUresult>" per operation, like workload.c.
 """
@@ -62,6 +63,9 @@ def main(ops: list[str]) -> int:
             if rc == 0:
                 rc = cuda.cuCtxSynchronize()
             print(f"launch {count} rc={rc}")
+        elif op == "wait":
+            print("waiting", flush=True)
+            sys.stdin.readline()
         else:
             print(f"unknown op {op}", file=sys.stderr)
             return 2

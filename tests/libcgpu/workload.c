@@ -4,12 +4,15 @@
  *   workload [--getproc] [--device N] OP ...
  *
  * With --getproc every entry point is fetched through cuGetProcAddress (as
- * CUDA 12 runtimes do); otherwise the exported symbols are called directly.
+ * CUDA 12 runtimes do; --getproc-ptsz asks for the per-thread default stream
+ * variants, the _ptsz functions); otherwise the exported symbols are called.
  * Each OP prints one line "OP ... rc=<CUresult>" so tests can assert on it.
  *
  *   alloc N | pitch W H | create N | async N | pool N | array W H | array3d W H D
- *   managed N | free | freeall | info | total | ctx | launch COUNT NAME | graph COUNT
+ *   managed N | free | freeall | info | total | ctx | launch COUNT NAME
  *   coop COUNT NAME | launchex COUNT NAME | sync | sleep MS | hold   (wait for stdin EOF)
+ *   wait (print "waiting", read one line from stdin) | graphprep (capture a sleep_0 graph)
+ *   graph COUNT (launch the captured graph)
  *   race ITERATIONS MAXBYTES LIMIT  (random alloc/free; exits 3 if the device's own
  *                                    per-process accounting, read through NVML's
  *                                    process list which libcgpu does not intercept,
@@ -99,11 +102,13 @@ static void bind_exported(void)
     api.graphLaunch = cuGraphLaunch;
 }
 
+static cuuint64_t getproc_flags = CU_GET_PROC_ADDRESS_DEFAULT;
+
 static void *getproc(const char *name)
 {
     void *fn = NULL;
     CUdriverProcAddressQueryResult status;
-    CUresult rc = cuGetProcAddress_v2(name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+    CUresult rc = cuGetProcAddress_v2(name, &fn, CUDA_VERSION, getproc_flags, &status);
     if (rc != CUDA_SUCCESS || fn == NULL) {
         fprintf(stderr, "cuGetProcAddress(%s) failed: %d\n", name, (int)rc);
         exit(2);
@@ -157,6 +162,8 @@ static int nheld;
 static int device_ordinal;
 static CUdevice device;
 static int have_ctx;
+static CUstream graph_stream;
+static CUgraphExec graph_exec;
 
 static unsigned long long arg_u64(char **argv, int i, int argc)
 {
@@ -273,8 +280,12 @@ int main(int argc, char **argv)
     int i = 1;
     int use_getproc = 0;
     for (; i < argc && strncmp(argv[i], "--", 2) == 0; i++) {
-        if (strcmp(argv[i], "--getproc") == 0)
+        if (strcmp(argv[i], "--getproc") == 0) {
             use_getproc = 1;
+        } else if (strcmp(argv[i], "--getproc-ptsz") == 0) {
+            use_getproc = 1;
+            getproc_flags = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+        }
         else if (strcmp(argv[i], "--device") == 0)
             device_ordinal = (int)arg_u64(argv, ++i, argc);
     }
@@ -381,26 +392,32 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS)
                 rc = api.ctxSynchronize();
             printf("%s %llu rc=%d\n", op, n, (int)rc);
+        } else if (strcmp(op, "graphprep") == 0) {
+            CUgraph g;
+            CUfunction f = function_named("sleep_0");
+            rc = api.streamCreate(&graph_stream, 0);
+            if (rc == CUDA_SUCCESS)
+                rc = api.beginCapture(graph_stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+            if (rc == CUDA_SUCCESS)
+                rc = api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, graph_stream, NULL, NULL);
+            if (rc == CUDA_SUCCESS)
+                rc = api.endCapture(graph_stream, &g);
+            if (rc == CUDA_SUCCESS)
+                rc = api.graphInstantiate(&graph_exec, g, 0);
+            printf("graphprep rc=%d\n", (int)rc);
         } else if (strcmp(op, "graph") == 0) {
             unsigned long long n = arg_u64(argv, ++i, argc);
-            CUstream s;
-            CUgraph g;
-            CUgraphExec ge;
-            CUfunction f = function_named("sleep_0");
-            rc = api.streamCreate(&s, 0);
-            if (rc == CUDA_SUCCESS)
-                rc = api.beginCapture(s, CU_STREAM_CAPTURE_MODE_GLOBAL);
-            if (rc == CUDA_SUCCESS)
-                rc = api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
-            if (rc == CUDA_SUCCESS)
-                rc = api.endCapture(s, &g);
-            if (rc == CUDA_SUCCESS)
-                rc = api.graphInstantiate(&ge, g, 0);
+            rc = graph_exec ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
             for (unsigned long long k = 0; k < n && rc == CUDA_SUCCESS; k++)
-                rc = api.graphLaunch(ge, s);
+                rc = api.graphLaunch(graph_exec, graph_stream);
             if (rc == CUDA_SUCCESS)
                 rc = api.ctxSynchronize();
             printf("graph %llu rc=%d\n", n, (int)rc);
+        } else if (strcmp(op, "wait") == 0) {
+            char line[64];
+            printf("waiting\n");
+            if (fgets(line, sizeof line, stdin) == NULL)
+                return 1;
         } else if (strcmp(op, "sync") == 0) {
             printf("sync rc=%d\n", (int)api.ctxSynchronize());
         } else if (strcmp(op, "sleep") == 0) {

@@ -1,0 +1,129 @@
+"""The compute gate on simgpu: every launch path waits while the gate is closed
+and goes on when it opens; a stale heartbeat opens it; launches are counted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cgpu_km import region as region_mod
+from tests.libcgpu.sandbox import HERE, Sandbox
+
+LAUNCHES = {
+    "cuLaunchKernel": ["launch", "1", "sleep_0"],
+    "cuLaunchKernelEx": ["launchex", "1", "sleep_0"],
+    "cuLaunchCooperativeKernel": ["coop", "1", "sleep_0"],
+    "cuGraphLaunch": ["graph", "1"],
+}
+
+
+def start(sandbox: Sandbox, path: str, launch: list[str]) -> subprocess.Popen[str]:
+    """A workload that prepares, prints "waiting", and launches after one stdin line."""
+    if path == "ctypes":
+        args = [sys.executable, str(HERE / "ctypes_workload.py"), "wait", *launch]
+    else:
+        prep = ["graphprep"] if launch[0] == "graph" else []
+        flags = {"exported": [], "getproc": ["--getproc"], "ptsz": ["--getproc-ptsz"]}[path]
+        args = [str(sandbox.built.workload), *flags, *prep, "wait", *launch]
+    proc = sandbox.popen(args)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    while line.startswith("graphprep"):
+        assert line == "graphprep rc=0\n"
+        line = proc.stdout.readline()
+    assert line == "waiting\n", line + (proc.stderr.read() if proc.stderr else "")
+    return proc
+
+
+def go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def wait_pending(region: region_mod.Region, want: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while region.activity(0).pending != want:
+        assert time.monotonic() < deadline, f"pending never reached {want}"
+        time.sleep(0.01)
+
+
+CASES = [(path, name) for path in ("exported", "getproc", "ptsz") for name in LAUNCHES]
+CASES.append(("ctypes", "cuLaunchKernel"))
+
+
+@pytest.mark.parametrize(("path", "name"), CASES, ids=[f"{p}-{n}" for p, n in CASES])
+def test_gate_blocks_and_releases(sandbox: Sandbox, path: str, name: str) -> None:
+    region = sandbox.make_region(1 << 30)
+    sandbox.start_heartbeat()
+    proc = start(sandbox, path, LAUNCHES[name])
+    region.set_gate(0, False)
+    go(proc)
+    wait_pending(region, 1)
+    time.sleep(0.2)
+    assert proc.poll() is None, "the launch went through a closed gate"
+    region.set_gate(0, True)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out + err
+    assert out.endswith(" 1 rc=0\n"), out
+    activity = region.activity(0)
+    assert activity.pending == 0
+    assert activity.launches >= 1
+    assert activity.gate_wait_ns >= 150_000_000
+
+
+def test_open_gate_counts_launches(sandbox: Sandbox) -> None:
+    region = sandbox.make_region(1 << 30)
+    sandbox.start_heartbeat()
+    before = time.monotonic_ns()
+    result = sandbox.workload("launch", "25", "sleep_0", "launchex", "5", "sleep_0")
+    assert result.returncode == 0, result.stderr
+    activity = region.activity(0)
+    assert activity.launches == 30
+    assert activity.gate_wait_ns == 0
+    assert activity.last_launch_ns >= before - 10_000_000  # coarse clock
+
+
+@pytest.mark.parametrize("heartbeat", ["never", "stale"])
+def test_without_a_live_daemon_launches_go_through(sandbox: Sandbox, heartbeat: str) -> None:
+    region = sandbox.make_region(1 << 30, gate_timeout_ns=500_000_000)
+    if heartbeat == "stale":
+        region.heartbeat(time.monotonic_ns() - 5_000_000_000)
+    region.set_gate(0, False)
+    started = time.monotonic()
+    result = sandbox.workload("launch", "3", "sleep_0", timeout=10)
+    assert result.stdout == "launch 3 rc=0\n"
+    assert time.monotonic() - started < 5
+
+
+def test_gate_fails_open_when_the_daemon_stops(sandbox: Sandbox) -> None:
+    region = sandbox.make_region(1 << 30, gate_timeout_ns=400_000_000)
+    sandbox.start_heartbeat()
+    proc = start(sandbox, "exported", LAUNCHES["cuLaunchKernel"])
+    region.set_gate(0, False)
+    go(proc)
+    wait_pending(region, 1)
+    time.sleep(0.5)
+    assert proc.poll() is None, "a fresh heartbeat keeps the gate closed"
+    stopped = time.monotonic()
+    sandbox.stop_heartbeat()
+    out, _ = proc.communicate(timeout=10)
+    assert out.endswith("launch 1 rc=0\n")
+    assert time.monotonic() - stopped < 3
+
+
+def test_clear_heartbeat_releases_at_once(sandbox: Sandbox) -> None:
+    region = sandbox.make_region(1 << 30, gate_timeout_ns=60_000_000_000)
+    region.heartbeat()
+    proc = start(sandbox, "exported", LAUNCHES["cuLaunchKernel"])
+    region.set_gate(0, False)
+    go(proc)
+    wait_pending(region, 1)
+    released = time.monotonic()
+    region.clear_heartbeat()
+    out, _ = proc.communicate(timeout=10)
+    assert out.endswith("launch 1 rc=0\n")
+    assert time.monotonic() - released < 2
