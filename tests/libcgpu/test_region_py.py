@@ -1,0 +1,164 @@
+"""cgpu_km.region on its own: creation, validation, gates, heartbeat, views, reclaim."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cgpu_km import region as region_mod
+from cgpu_km.region import GpuSpec, Region, RegionError
+
+
+def make(tmp_path: Path, **kw: object) -> Region:
+    gpus = kw.pop("gpus", [GpuSpec(1 << 30, "GPU-a", 2, 5), GpuSpec(2 << 30, "GPU-b", 3)])
+    return Region.create(tmp_path / "c.region", "ctr1", gpus, **kw)  # type: ignore[arg-type]
+
+
+def test_create_and_reopen(tmp_path: Path) -> None:
+    with make(tmp_path, mode="egpu", oom_script="/bin/oom", gate_timeout_ns=7) as r:
+        assert (r.container_id, r.mode, r.oom_script, r.ngpus) == ("ctr1", "egpu", "/bin/oom", 2)
+        assert r.gate_timeout_ns == 7
+        r.set_limit(1, 123)
+    path = tmp_path / "c.region"
+    assert path.stat().st_size == region_mod.REGION_SIZE
+    assert path.stat().st_mode & 0o777 == 0o666
+    with Region.open(path) as r:
+        assert r.gpu_spec(0) == GpuSpec(1 << 30, "GPU-a", 2, 5)
+        assert r.gpu_spec(1) == GpuSpec(123, "GPU-b", 3, 0)
+        assert r.gpu_for_host(3) == 1
+        assert r.gpu_for_host(0) is None
+        assert [r.gate_is_open(k) for k in range(2)] == [True, True]
+        assert r.heartbeat_ns == 0
+        assert r.processes() == []
+        assert r.usage(0) == 0
+    assert list(tmp_path.iterdir()) == [path], "no temporary file is left behind"
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"gpus": []}, "1 to 16 GPUs"),
+    ({"gpus": [GpuSpec(1)] * 17}, "1 to 16 GPUs"),
+    ({"mode": "vgpu"}, "mode must be"),
+    ({"gate_timeout_ns": 0}, "must be positive"),
+    ({"gpus": [GpuSpec(-1)]}, "must not be negative"),
+    ({"oom_script": "x" * 300}, "OOM script path is longer"),
+    ({"gpus": [GpuSpec(1, "u" * 100)]}, "GPU UUID is longer"),
+], ids=["no-gpus", "too-many", "mode", "timeout", "negative", "script", "uuid"])
+def test_bad_input_is_refused_and_writes_nothing(tmp_path: Path, kw: dict[str, object],
+                                                 message: str) -> None:
+    with pytest.raises(RegionError, match=message):
+        make(tmp_path, **kw)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_open_refuses_foreign_files(tmp_path: Path) -> None:
+    with pytest.raises(RegionError, match="cannot open"):
+        Region.open(tmp_path / "missing")
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 100)
+    with pytest.raises(RegionError, match="too small"):
+        Region.open(small)
+    zeros = tmp_path / "zeros"
+    zeros.write_bytes(bytes(region_mod.REGION_SIZE))
+    with pytest.raises(RegionError, match="unknown layout"):
+        Region.open(zeros)
+
+
+def test_unknown_gpu_and_bad_values(tmp_path: Path) -> None:
+    with make(tmp_path) as r:
+        with pytest.raises(RegionError, match="GPU 2 is not in region"):
+            r.limit(2)
+        with pytest.raises(RegionError):
+            r.set_limit(0, -1)
+        with pytest.raises(RegionError):
+            r.gate_timeout_ns = 0
+        assert r.limit(0) == 1 << 30
+
+
+def test_gate_wakes_a_futex_waiter(tmp_path: Path) -> None:
+    """set_gate(open) wakes a thread blocked in FUTEX_WAIT on the gate word."""
+    with make(tmp_path) as r:
+        r.set_gate(1, False)
+        assert not r.gate_is_open(1)
+        address = r._gate_address(1)
+        libc = ctypes.CDLL(None, use_errno=True)
+        woke: list[float] = []
+
+        def waiter() -> None:
+            timeout = (ctypes.c_long * 2)(10, 0)
+            libc.syscall(ctypes.c_long(region_mod._SYS_FUTEX), ctypes.c_void_p(address),
+                         ctypes.c_int(0), ctypes.c_int(region_mod.GATE_CLOSED), timeout, None,
+                         ctypes.c_int(0))
+            woke.append(time.monotonic())
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.2)
+        opened = time.monotonic()
+        r.set_gate(1, True)
+        thread.join(timeout=5)
+        assert woke
+        assert woke[0] - opened < 2
+        assert r.gate_is_open(1)
+
+
+def test_heartbeat(tmp_path: Path) -> None:
+    with make(tmp_path) as r:
+        before = time.monotonic_ns()
+        r.heartbeat()
+        assert before <= r.heartbeat_ns <= time.monotonic_ns()
+        r.heartbeat(42)
+        assert r.heartbeat_ns == 42
+        r.clear_heartbeat()
+        assert r.heartbeat_ns == 0
+
+
+def fill_slot(r: Region, index: int, pid: int, start_time: int, mem: int) -> None:
+    """Write a slot as libcgpu would (for tests of the daemon's view)."""
+    slot = r._layout.proc[index]
+    slot.pid = pid
+    slot.start_time = start_time
+    slot.pidns = 0
+    slot.gpu[0].mem = mem
+    slot.gpu[0].launches = 3
+    slot.state = region_mod.SLOT_LIVE
+    r._layout.slots_used = max(r._layout.slots_used, index + 1)
+
+
+def test_views_and_reclaim(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = region_mod.proc_start_time(sleeper.pid)
+        assert start is not None
+        with make(tmp_path) as r:
+            fill_slot(r, 0, os.getpid(), region_mod.proc_start_time(os.getpid()) or 0, 100)
+            fill_slot(r, 1, sleeper.pid, start, 20)
+            fill_slot(r, 2, sleeper.pid, start + 1, 3)  # pid reused: not the same process
+            assert r.usage(0) == 123
+            assert r.activity(0).launches == 9
+            assert sorted(p.pid for p in r.processes()) == sorted([os.getpid(), *[sleeper.pid] * 2])
+            assert r.reclaim() == [sleeper.pid]  # the slot with the wrong start time
+            assert r.usage(0) == 120
+            sleeper.kill()
+            sleeper.wait()
+            assert r.reclaim() == [sleeper.pid]
+            assert r.usage(0) == 100
+            assert r.reclaim(lambda view: False) == [os.getpid()]
+            assert r.usage(0) == 0
+            assert r.processes() == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_region_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(region_mod.REGION_DIR_ENV, str(tmp_path))
+    assert region_mod.region_path("abc") == tmp_path / "abc.region"
+    monkeypatch.delenv(region_mod.REGION_DIR_ENV)
+    assert region_mod.region_path("abc") == Path("/run/cgpu_km-regions/abc.region")
