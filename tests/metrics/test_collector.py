@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -164,3 +165,10 @@ def test_parse_listen(text: str, expected: ListenAddress | None) -> None:
 def test_parse_listen_rejects(text: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         parse_listen(text)
+
+
+def test_readme_lists_every_metric() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Observability: cgpu-smi and Prometheus", 1)[-1]
+    for spec in METRICS:
+        assert f"| `{spec.name}` | {spec.kind} |" in section, spec.name

@@ -230,3 +230,16 @@ def test_loop_repeats_until_interrupted(known_tree: Path, state: Path) -> None:
     out, err = process.communicate(timeout=10)
     assert (process.returncode, err) == (0, "")
     assert out.count("cgpu-smi 0.1.0") >= 3
+
+
+def test_json_loop_prints_one_document_per_line(known_tree: Path, state: Path) -> None:
+    process = subprocess.Popen(
+        [CGPU_SMI, "--root", str(known_tree), "--state-dir", str(state), "--json", "-l", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=smi_env(state.parent),
+    )
+    time.sleep(0.8)
+    process.send_signal(signal.SIGINT)
+    out, _ = process.communicate(timeout=10)
+    documents = [json.loads(line) for line in out.splitlines()]
+    assert len(documents) >= 2
+    assert all(d["daemon"]["running"] is False for d in documents)
