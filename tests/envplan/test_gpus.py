@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -151,12 +152,13 @@ SIMGPU_NVML = REPO / "simgpu" / "libnvidia-ml.so.1"
 
 
 @pytest.mark.skipif(not SIMGPU_NVML.exists(), reason="simgpu not built (make -C simgpu)")
-def test_discovers_simgpu_devices_through_real_pynvml() -> None:
+def test_discovers_simgpu_devices_through_real_pynvml(tmp_path: Path) -> None:
     # A fresh process: pynvml keeps the loaded library for the process's life.
     devices = "Tesla T4:15109MiB:GPU-11111111-2222-3333-4444-555555555555,Tesla V100:16160MiB"
     code = ("import json; from cgpu_km.gpus import discover_gpus; "
             "print(json.dumps([g.__dict__ for g in discover_gpus()]))")
-    env = {"CGPU_SIMULATE": "1", "SIMGPU_DEVICES": devices, "PATH": "/usr/bin:/bin"}
+    env = {"CGPU_SIMULATE": "1", "SIMGPU_DEVICES": devices, "PATH": "/usr/bin:/bin",
+           "SIMGPU_STATE": str(tmp_path / "simgpu-state")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True, timeout=60)
     found = json.loads(out.stdout)
@@ -164,3 +166,24 @@ def test_discovers_simgpu_devices_through_real_pynvml() -> None:
         (0, "Tesla T4", 15109 << 20), (1, "Tesla V100", 16160 << 20)]
     assert found[0]["uuid"] == "GPU-11111111-2222-3333-4444-555555555555"
     assert found[1]["uuid"].startswith("GPU-")
+
+
+def _real_nvml_present() -> bool:
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not SIMGPU_NVML.exists(), reason="simgpu not built (make -C simgpu)")
+@pytest.mark.skipif(_real_nvml_present(), reason="this host has an NVIDIA driver")
+def test_host_without_driver_falls_back_to_simgpu(tmp_path: Path) -> None:
+    code = "from cgpu_km.gpus import discover_gpus; print(len(discover_gpus()))"
+    env = {"SIMGPU_DEVICES": "A:1GiB,B:2GiB,C:3GiB", "PATH": "/usr/bin:/bin",
+           "SIMGPU_STATE": str(tmp_path / "simgpu-state")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, timeout=60)
+    assert out.stdout == "3\n"
+    assert out.stderr == ("cgpu_km: no NVIDIA driver (NVML Shared Library Not Found); "
+                          "using the simulated GPU (simgpu)\n")
