@@ -209,6 +209,11 @@ def _usage(used: int | None, total: int | None) -> str:
     return f"{_mib(used)} / {_mib(total)}"
 
 
+def _policy(value: int) -> str:
+    name = POLICY_NAMES[value] if 0 <= value < len(POLICY_NAMES) else "unknown"
+    return f"{value} {name}"
+
+
 def _text(value: object) -> str:
     return "-" if value is None else str(value)
 
@@ -244,7 +249,7 @@ def render_text(view: View) -> str:
     lines += render_table(
         ["GPU", "Name", "Memory-Usage", "Util", "Policy", "MaxInst", "FreeW", "Prio"],
         [[str(g.index), _text(g.name), _usage(g.memory_used_bytes, g.memory_total_bytes),
-          _percent(g.utilization), f"{g.policy} {POLICY_NAMES[g.policy]}",
+          _percent(g.utilization), _policy(g.policy),
           str(g.max_inst), str(g.free_weight), f"{g.prio_ratio}%"] for g in view.gpus],
         left=(1, 4))
     containers = [c for g in view.gpus for c in g.containers]
