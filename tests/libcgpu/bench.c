@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "cuda.h"
+#include "kernels.h"
 
 static double now_ns(void)
 {
@@ -37,7 +38,7 @@ int main(int argc, char **argv)
     if (strcmp(argv[1], "launch") == 0) {
         CUmodule mod;
         CUfunction f;
-        if (cuModuleLoadData(&mod, "bench") || cuModuleGetFunction(&f, mod, argv[3]))
+        if (cuModuleLoadData(&mod, kernels_ptx) || cuModuleGetFunction(&f, mod, argv[3]))
             return 1;
         for (int i = 0; i < 100; i++) /* warm up */
             cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);

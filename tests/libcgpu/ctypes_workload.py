@@ -9,7 +9,19 @@ Prints one line "OP ... rc=<CUresult>" per operation, like workload.c.
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
+from pathlib import Path
+
+
+def kernels_ptx() -> bytes:
+    """The PTX module of kernels.h (shared with the C workloads)."""
+    text = (Path(__file__).resolve().parent / "kernels.h").read_text()
+    body = text[text.index("kernels_ptx[] ="):].split(";\n", 1)[0]
+    return "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', body)).replace("\\n", "\n").encode()
+
+
+PTX = kernels_ptx()
 
 
 def main(ops: list[str]) -> int:
@@ -53,7 +65,7 @@ def main(ops: list[str]) -> int:
             func = ctypes.c_void_p()
             rc = 0
             if not module.value:
-                rc = cuda.cuModuleLoadData(ctypes.byref(module), b"ctypes")
+                rc = cuda.cuModuleLoadData(ctypes.byref(module), PTX)
             if rc == 0:
                 rc = cuda.cuModuleGetFunction(ctypes.byref(func), module, name)
             for _ in range(count):

@@ -29,6 +29,7 @@
 #include <dlfcn.h>
 
 #include "cuda.h"
+#include "kernels.h"
 #include "nvml.h"
 
 #define MAX_HELD 4096
@@ -254,7 +255,7 @@ static CUfunction function_named(const char *name)
 {
     static CUmodule module;
     CUfunction f = NULL;
-    if (module == NULL && api.moduleLoadData(&module, "workload") != CUDA_SUCCESS)
+    if (module == NULL && api.moduleLoadData(&module, kernels_ptx) != CUDA_SUCCESS)
         return NULL;
     if (api.moduleGetFunction(&f, module, name) != CUDA_SUCCESS)
         return NULL;
