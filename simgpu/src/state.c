@@ -489,13 +489,20 @@ int sim_attach(void)
     g_state = map;
     if (g_state->magic != SIM_MAGIC || g_state->layout_version != SIM_LAYOUT_VERSION) {
         build_state(g_state, specs, n, spec_text);
-    } else if (env_spec && *env_spec && strcmp(g_state->devices_spec, env_spec) != 0) {
-        if (any_live_locked())
-            fprintf(stderr,
-                    "simgpu: %s is in use with SIMGPU_DEVICES='%s'; ignoring '%s' until its processes exit\n",
-                    path, g_state->devices_spec, env_spec);
-        else
+    } else {
+        /* Settings given explicitly that differ from the state's: rebuild it
+         * when no process uses it, else keep it and say so. */
+        const char *ctx_env = getenv("SIMGPU_CONTEXT_MEM");
+        int devices_differ = env_spec && *env_spec && strcmp(g_state->devices_spec, env_spec) != 0;
+        int ctx_differs = ctx_env && *ctx_env &&
+                          sim_env_u64("SIMGPU_CONTEXT_MEM", g_state->context_mem) != g_state->context_mem;
+        if ((devices_differ || ctx_differs) && !any_live_locked())
             build_state(g_state, specs, n, spec_text);
+        else if (devices_differ || ctx_differs)
+            fprintf(stderr,
+                    "simgpu: %s is in use with SIMGPU_DEVICES='%s' SIMGPU_CONTEXT_MEM=%llu; "
+                    "keeping them until its processes exit\n",
+                    path, g_state->devices_spec, (unsigned long long)g_state->context_mem);
     }
     sim_unlock();
     pthread_mutex_unlock(&g_attach);
