@@ -104,8 +104,8 @@ class GpuState:
 
     index: int
     scheduler: GateScheduler
-    samples: trio.MemorySendChannel[PlaneSample]
-    inbox: trio.MemoryReceiveChannel[PlaneSample]
+    samples: trio.MemorySendChannel[tuple[float, PlaneSample]]
+    inbox: trio.MemoryReceiveChannel[tuple[float, PlaneSample]]
     decision: GateDecision | None = None
     ticks: int = 0
 
@@ -220,7 +220,7 @@ class Daemon:
             config = self.view.config(index)
             state = self.gpus.get(index)
             if state is None:
-                send, receive = trio.open_memory_channel[PlaneSample](1)
+                send, receive = trio.open_memory_channel[tuple[float, PlaneSample]](1)
                 scheduler = GateScheduler(config, period=self.settings.period)
                 saved = (self._saved_state or {}).get("gpus", {}).get(str(index))
                 if saved:
@@ -292,11 +292,12 @@ class Daemon:
         deadline = trio.current_time()
         while True:
             sample = await self._blocking(self.plane.sample)
+            taken = trio.current_time()  # as close to the measurement as this loop gets
             for key, used in sample.usage.items():
                 self.usage_start.setdefault(key, used)
             for state in list(self.gpus.values()):
                 with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                    state.samples.send_nowait(sample)
+                    state.samples.send_nowait((taken, sample))
             await trio.lowlevel.checkpoint()  # let the schedulers take it before it is replaced
             self.last_sample = sample
             await self._blocking(self.plane.heartbeat)
@@ -304,8 +305,7 @@ class Daemon:
             await trio.sleep_until(deadline)
 
     async def _serve_gpu(self, state: GpuState) -> None:
-        async for sample in state.inbox:
-            now = trio.current_time()
+        async for now, sample in state.inbox:
             usage = {n: u for (g, n), u in sample.usage.items() if g == state.index}
             active = {n for (g, n) in sample.active if g == state.index}
             decision = state.scheduler.step(now, usage, active)

@@ -39,10 +39,13 @@ are the same number. Each container has a share credit (accrues
 ``share * dt``, pays for the GPU time it really used, so a kernel that runs
 past its slice is charged to its owner) and a cap credit for
 ``util_limit`` (accrues ``cap * dt``, never forgiven). A gate is open while
-both credits are non-negative. Positive credit is clamped to a short burst
-when the container was idle or left the GPU idle (no banking). Under the
-work-conserving policies a period in which the GPU went idle forgives the
-active containers' share debt, so idle time is lent instead of wasted.
+neither credit is below minus one period's worth of its rate. Positive
+credit is clamped to a short burst when the container was idle or left the
+GPU idle (no banking). Under the
+work-conserving policies what an active container clamps away that way
+(credit it had the chance to use and did not) is lent to the other active
+containers in proportion to their shares, so a light container's unused
+time is not wasted; nothing is forgiven, so busy containers' shares stay exact.
 """
 
 from __future__ import annotations
@@ -307,17 +310,23 @@ class GateScheduler:
             acc.last_usage = value
         busy = sum(used.values())
         slack = dt > 0 and busy < dt * (1.0 - self.slack_fraction)
-        lend = slack and self._config.policy.work_conserving
+        lend = self._config.policy.work_conserving
 
+        unused = 0.0
         for name, acc in self._accounts.items():
             allot = self._allot[name]
             acc.credit += float(allot.share) * dt - used[name]
             acc.cap_credit += float(allot.cap) * dt - used[name]
             if slack or name not in self._active:
-                acc.credit = min(acc.credit, float(allot.share) * self.burst_window)
+                # It had the chance (the GPU went idle) or no work: no banking.
+                burst = float(allot.share) * self.burst_window
+                if acc.credit > burst:
+                    if name in self._active:
+                        unused += acc.credit - burst
+                    acc.credit = burst
                 acc.cap_credit = min(acc.cap_credit, float(allot.cap) * self.burst_window)
-            if lend and name in self._active:
-                acc.credit = max(acc.credit, float(allot.share) * self.burst_window)
+        if lend and unused > 0:
+            self._lend(unused)
 
         self._active = frozenset(active) & frozenset(self._config.containers)
         self._allot = allotments(self._config, self._active)
@@ -326,15 +335,32 @@ class GateScheduler:
             slack=slack,
         )
 
+    def _lend(self, unused: float) -> None:
+        """Work conservation: credit that active containers left unused goes to the others."""
+        takers = {
+            n: float(self._allot[n].share) for n in self._active
+            if self._allot[n].share > 0
+            and self._accounts[n].credit < float(self._allot[n].share) * self.burst_window
+        }
+        total = sum(takers.values())
+        for name, share in takers.items():
+            self._accounts[name].credit += unused * share / total
+
     def _decide(self, slack: bool) -> frozenset[str]:
         if self._config.policy is Policy.NATIVE:
             return frozenset(
                 n for n, acc in self._accounts.items()
                 if self._allot[n].cap >= 1 or acc.cap_credit >= 0
             )
+        # A gate stays open down to one period's worth of debt: measurements
+        # jitter against the caller's clock, and closing a lone busy container
+        # for a whole period over a few microseconds would waste the GPU. This
+        # is an offset of the credit, not a rate: long-run shares are the same.
         open_ = {
             n for n, acc in self._accounts.items()
-            if self._allot[n].share > 0 and acc.credit >= 0 and acc.cap_credit >= 0
+            if self._allot[n].share > 0
+            and acc.credit >= -float(self._allot[n].share) * self.period
+            and acc.cap_credit >= -float(self._allot[n].cap) * self.period
         }
         preempting = {n for n in open_ if self._allot[n].preempts and n in self._active}
         if preempting and not slack:

@@ -192,11 +192,11 @@ def test_state_round_trip_keeps_debts() -> None:
     config = GpuConfig(policy=Policy.SOFT, containers={"a": W(1), "b": W(1)})
     first = GateScheduler(config)
     first.step(0.0, {"a": 0.0, "b": 0.0}, {"a", "b"})
-    first.step(0.02, {"a": 0.02, "b": 0.0}, {"a", "b"})
+    first.step(0.02, {"a": 0.05, "b": 0.0}, {"a", "b"})  # a ran long: 0.04 s in debt
     second = GateScheduler(config)
     second.restore(first.to_state())
     assert second.credits() == first.credits()
-    assert not second.step(5.0, {"a": 0.02, "b": 0.0}, {"a", "b"}).is_open("a")
+    assert not second.step(5.0, {"a": 0.05, "b": 0.0}, {"a", "b"}).is_open("a")
 
 
 def test_time_going_backwards_is_refused() -> None:
