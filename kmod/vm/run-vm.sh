@@ -7,7 +7,9 @@
 #      PYTHON (runs tests/kmod/difftest.py, default python3),
 #      VM_LOG (console log, default kmod/build/vm-console.log).
 # Fails when the VM reports a failure, when no result line arrives in time,
-# and on BUG:/WARNING:/Oops/general protection in the kernel log.
+# and on BUG:/WARNING:/Oops/general protection in the kernel log.  The kernel
+# runs with slub_debug (red zones, poisoning, call sites), so a corrupted or
+# leaked slab object shows as well.
 set -eu
 kver=$1
 ko=$2
@@ -54,19 +56,21 @@ start=$(date +%s)
 status=0
 timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 -accel tcg -smp "${VM_SMP:-2}" -m 512 \
 	-nographic -no-reboot -kernel "$kernel" -initrd "$initrd" \
-	-append "console=ttyS0 panic=-1 quiet" </dev/null >"$log" 2>&1 || status=$?
+	-append "console=ttyS0 panic=-1 quiet slub_debug=FZPU" </dev/null >"$log" 2>&1 || status=$?
 wall=$(($(date +%s) - start))
 
 # The test's own lines, for the reader of the make output.
 grep -E '^(CGPU-VM|ok |not ok |#|FAIL|conformance)' "$log" | tr -d '\r' || true
 problems=""
+# "BUG kmalloc-64 (Tainted: ...): Redzone overwritten" is slub_debug's report.
+kernel_problems='BUG:|BUG [a-z0-9_-]+ \(|WARNING:|Oops|general protection'
 if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
 	problems="$problems; no result within ${timeout_s}s"
 fi
 grep -q '^CGPU-VM-RESULT: PASS' "$log" || problems="$problems; no PASS result line"
-if grep -qE 'BUG:|WARNING:|Oops|general protection' "$log"; then
+if grep -qE "$kernel_problems" "$log"; then
 	problems="$problems; kernel log reports a problem"
-	grep -nE -B2 -A20 'BUG:|WARNING:|Oops|general protection' "$log" | head -80 >&2
+	grep -nE -B2 -A20 "$kernel_problems" "$log" | head -80 >&2
 fi
 "$python" "$difftest" compare "$expected" "$log" || problems="$problems; differential test"
 echo "run-vm: VM wall time ${wall}s"
