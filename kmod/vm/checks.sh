@@ -175,6 +175,15 @@ same "reading a node open across unload fails" "" "$(cat <&5 2>/dev/null)"
 check "writing inst_ctl open across unload fails" sh -c '! { echo "add 0 late" >&6; } 2>/dev/null'
 exec 5<&- 6>&-
 check "load again" insmod "$KO" gpus=2
+
+# -- unload while writers and readers are busy ----------------------------------
+for i in 1 2 3; do ctl add 0 p$i; ctl add 1 q$i; done
+weights & churn & readers >/dev/null &
+usleep 300000
+check "unload while writers run" unload
+wait
+check "/proc/cgpu_km is gone after the busy unload" test ! -e $R
+check "load again after the busy unload" insmod "$KO" gpus=2
 same "the reloaded tree has no containers" "" "$(containers 0; containers 1)"
 same "the reloaded tree has initial values" "1 16 80 16 0 0" \
 	"$(cat $R/0/policy $R/1/max_inst $R/0/prio_ratio $R/0/free_weight $R/default_memsize $R/upgrade | tr '\n' ' ' | sed 's/ $//')"
