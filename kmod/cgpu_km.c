@@ -23,8 +23,9 @@
  *   object is freed only after its entries are removed.  It is never called
  *   with cgpu.lock held (a handler waiting for that lock would deadlock it):
  *   a container is unlinked and marked dead under cgpu.lock, then its
- *   directory is removed, then it is freed.  Handlers of a dead container
- *   that already hold the file open answer -ENOENT.
+ *   directory is removed, then it is freed.  A handler that reaches a dead
+ *   container in between answers -ENOENT; once the entry is removed, procfs
+ *   itself answers -EIO to files still open.
  */
 
 #define pr_fmt(fmt) KBUILD_MODNAME ": " fmt
@@ -106,7 +107,10 @@ static struct {
 	struct cgpu_leaf leaf[CGPU_ROOT_NODES];
 } cgpu;
 
-/* Module parameters; -1 means the node table's initial value. */
+/*
+ * Module parameters.  -1 (the default) means the node table's initial
+ * value, which is then written back so that sysfs shows what is in force.
+ */
 static unsigned int gpus = 1;
 module_param(gpus, uint, 0444);
 MODULE_PARM_DESC(gpus, "number of GPU directories, 1..16 (default 1)");
@@ -781,19 +785,17 @@ static ssize_t cgpu_inst_ctl_write(struct file *file, const char __user *ubuf,
 
 /* ---- module load and unload ------------------------------------------- */
 
-static int cgpu_initial(int param, enum cgpu_node_id id, u64 *value)
+static int cgpu_initial(int *param, enum cgpu_node_id id, u64 *value)
 {
 	const struct cgpu_node_def *def = &cgpu_nodes[id];
 
-	if (param < 0) {
-		*value = def->initial;
-		return 0;
-	}
-	if (param < def->min || param > def->max) {
-		pr_err("%s=%d is outside %llu..%llu\n", def->name, param, def->min, def->max);
+	if (*param == -1)
+		*param = def->initial;
+	if (*param < 0 || *param < def->min || *param > def->max) {
+		pr_err("%s=%d is outside %llu..%llu\n", def->name, *param, def->min, def->max);
 		return -EINVAL;
 	}
-	*value = param;
+	*value = *param;
 	return 0;
 }
 
@@ -839,9 +841,9 @@ static int __init cgpu_init(void)
 		pr_err("gpus=%u is outside 1..%d\n", gpus, CGPU_MAX_GPUS);
 		return -EINVAL;
 	}
-	err = cgpu_initial(policy, CGPU_NODE_POLICY, &initial[CGPU_GPU_POLICY]) ?:
-	      cgpu_initial(max_inst, CGPU_NODE_MAX_INST, &initial[CGPU_GPU_MAX_INST]) ?:
-	      cgpu_initial(prio_ratio, CGPU_NODE_PRIO_RATIO, &initial[CGPU_GPU_PRIO_RATIO]);
+	err = cgpu_initial(&policy, CGPU_NODE_POLICY, &initial[CGPU_GPU_POLICY]) ?:
+	      cgpu_initial(&max_inst, CGPU_NODE_MAX_INST, &initial[CGPU_GPU_MAX_INST]) ?:
+	      cgpu_initial(&prio_ratio, CGPU_NODE_PRIO_RATIO, &initial[CGPU_GPU_PRIO_RATIO]);
 	if (err)
 		return err;
 

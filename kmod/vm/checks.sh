@@ -49,6 +49,8 @@ same "policy parameter" 4 "$(cat $R/2/policy)"
 same "max_inst parameter" 8 "$(cat $R/1/max_inst)"
 same "prio_ratio parameter" 50 "$(cat $R/0/prio_ratio)"
 same "free_weight follows max_inst" 8 "$(cat $R/0/free_weight)"
+same "sysfs shows the parameters in force" "3 4 8 50" \
+	"$(cd /sys/module/cgpu_km/parameters && echo $(cat gpus policy max_inst prio_ratio))"
 major=$(cat $R/0/major)
 same "major is the registered character device" "$major cgpu_km" \
 	"$(grep ' cgpu_km$' /proc/devices)"
@@ -63,12 +65,14 @@ same "meminfo Free is 0 without gpu_mem for that GPU" "Free: 0" "$(cat $R/2/nome
 check "rmmod" unload
 check "the character device is released" sh -c '! grep -q " cgpu_km$" /proc/devices'
 
-for bad in gpus=0 gpus=17 policy=6 max_inst=0 max_inst=26 prio_ratio=19 prio_ratio=100; do
+for bad in gpus=0 gpus=17 policy=6 policy=-2 max_inst=0 max_inst=26 prio_ratio=19 prio_ratio=100; do
 	check "insmod refuses $bad" sh -c "! insmod $KO $bad 2>/dev/null && test ! -e $R"
 done
 
 # -- non-root users ------------------------------------------------------------
 insmod "$KO" gpus=2
+same "sysfs shows the table's initial values by default" "1 16 80" \
+	"$(cd /sys/module/cgpu_km/parameters && echo $(cat policy max_inst prio_ratio))"
 same "uid 1000 writing policy gets EACCES" "Permission denied" \
 	"$(as_user "printf '2\n' > $R/0/policy" 2>&1 | sed 's/.*: //')"
 same "uid 1000 writing inst_ctl gets EACCES" "Permission denied" \
