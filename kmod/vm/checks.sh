@@ -22,8 +22,6 @@ check() {
 same() {
 	if [ "$2" = "$3" ]; then ok "$1"; else not_ok "$1: want '$2', got '$3'"; fi
 }
-# The error text of writing VALUE to PATH, "" when it succeeds.
-write_err() { (printf '%s\n' "$2" >"$1") 2>&1 | sed 's/.*: //'; }
 ctl() { printf '%s\n' "$*" >$R/inst_ctl; }
 # The containers of GPU $1: its directories.
 containers() { for d in $R/$1/*/; do [ -d "$d" ] && basename "$d"; done; }
@@ -35,7 +33,6 @@ sum_weights() {
 unload() { rmmod cgpu_km; }
 # Runs a shell command line as uid 1000 (busybox su; init made the user).
 as_user() { su -s /bin/sh cgpu-user -c "$1"; }
-
 
 # -- unload whatever the suite left, then parameters -------------------------
 echo "# unload after the conformance suite, containers: $(containers 0 | wc -l)"
