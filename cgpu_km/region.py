@@ -17,7 +17,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,10 @@ SLOT_RECLAIMING = 3
 REGION_DIR_ENV = "CGPU_REGION_DIR"
 DEFAULT_REGION_DIR = "/run/cgpu_km-regions"
 REGION_ENV = "CGPU_REGION"
+CONTAINER_REGION_PATH = "/run/cgpu/region"  # libcgpu's default when $CGPU_REGION is unset
+CONTAINER_LIBRARY_PATH = "/usr/local/lib/cgpu/libcgpu.so"  # where the hook mounts the library
+CTX_BYTES_ENV = "CGPU_CTX_BYTES"
+SIMGPU_CONTEXT_MEM = 300 << 20  # simgpu's default context memory (SIMGPU_CONTEXT_MEM)
 
 
 class GpuEntry(ctypes.Structure):
@@ -157,6 +161,17 @@ class Activity:
 def region_dir() -> Path:
     """Where regions live: $CGPU_REGION_DIR, else /run/cgpu_km-regions."""
     return Path(os.environ.get(REGION_DIR_ENV) or DEFAULT_REGION_DIR)
+
+
+def default_ctx_bytes(simulated: bool, env: Mapping[str, str] | None = None) -> int:
+    """Bytes charged per process context: $CGPU_CTX_BYTES, else simgpu's
+    context memory on the simulated GPU, else 0 (not charged)."""
+    source = os.environ if env is None else env
+    if source.get(CTX_BYTES_ENV):
+        return int(source[CTX_BYTES_ENV])
+    if simulated:
+        return int(source.get("SIMGPU_CONTEXT_MEM") or SIMGPU_CONTEXT_MEM)
+    return 0
 
 
 def region_path(container: str, directory: Path | None = None) -> Path:

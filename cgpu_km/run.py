@@ -28,8 +28,6 @@ from cgpu_km import region as region_mod
 from cgpu_km import treefs
 
 LIBCGPU_ENV = "CGPU_LIBCGPU"
-CTX_BYTES_ENV = "CGPU_CTX_BYTES"
-SIMGPU_CONTEXT_MEM = 300 << 20  # simgpu's default context memory (SIMGPU_CONTEXT_MEM)
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -45,17 +43,6 @@ def libcgpu_path() -> Path:
     if override:
         return Path(override)
     return Path(__file__).resolve().parents[1] / "libcgpu" / "libcgpu.so"
-
-
-def default_ctx_bytes(simulated: bool, env: dict[str, str] | None = None) -> int:
-    """Bytes charged per process context: $CGPU_CTX_BYTES, else simgpu's
-    context memory on the simulated GPU, else 0 (not charged)."""
-    source = os.environ if env is None else env
-    if source.get(CTX_BYTES_ENV):
-        return int(source[CTX_BYTES_ENV])
-    if simulated:
-        return int(source.get("SIMGPU_CONTEXT_MEM") or SIMGPU_CONTEXT_MEM)
-    return 0
 
 
 def _positive(text: str) -> int:
@@ -173,7 +160,8 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
     if args.oom_script and not args.egpu:
         raise RunError("--oom-script needs --egpu")
     simulated = gpus_mod.simulate_requested() or not Path("/dev/nvidiactl").exists()
-    ctx_bytes = args.ctx_bytes if args.ctx_bytes is not None else default_ctx_bytes(simulated)
+    ctx_bytes = (args.ctx_bytes if args.ctx_bytes is not None
+                 else region_mod.default_ctx_bytes(simulated))
 
     root = None if args.no_tree else treefs.resolve_root(args.root)
     if root is not None and not (root / "inst_ctl").exists():

@@ -186,7 +186,9 @@ static void after_fork_child(void)
 static void region_attach(void)
 {
     const char *path = getenv("CGPU_REGION");
-    if (path == NULL || path[0] == '\0')
+    if (path == NULL)
+        path = CGPU_CONTAINER_REGION_PATH;
+    if (path[0] == '\0')
         return;
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) {

@@ -1,7 +1,8 @@
 /*
  * region.h: the shared-memory region between the host daemon and libcgpu.
  *
- * One region file per container (path in $CGPU_REGION), mapped MAP_SHARED
+ * One region file per container (path in $CGPU_REGION, else
+ * CGPU_CONTAINER_REGION_PATH), mapped MAP_SHARED
  * by every process of the container and by the daemon. The layout is
  * versioned: a reader refuses a region whose magic, version or size differ.
  * cgpu_km/region.py mirrors this header with ctypes; a test compiles a probe
@@ -39,6 +40,9 @@
 #define CGPU_PATH_LEN 256
 #define CGPU_UUID_LEN 96
 #define CGPU_DEFAULT_GATE_TIMEOUT_NS 2000000000ULL
+/* Where a container finds its region when $CGPU_REGION is not set (the OCI
+ * hook bind-mounts it there); $CGPU_REGION set but empty means no region. */
+#define CGPU_CONTAINER_REGION_PATH "/run/cgpu/region"
 
 /* region.mode */
 #define CGPU_MODE_CGPU 0u

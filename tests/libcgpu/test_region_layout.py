@@ -37,12 +37,13 @@ CONSTANTS = {
     "CGPU_SLOT_CLAIMING": region.SLOT_CLAIMING,
     "CGPU_SLOT_LIVE": region.SLOT_LIVE,
     "CGPU_SLOT_RECLAIMING": region.SLOT_RECLAIMING,
+    "CGPU_CONTAINER_REGION_PATH": region.CONTAINER_REGION_PATH,
 }
 
 
-def python_layout() -> dict[str, int]:
+def python_layout() -> dict[str, int | str]:
     """`struct.field` -> offset, and `struct` -> size, as ctypes lays them out."""
-    out: dict[str, int] = {}
+    out: dict[str, int | str] = {}
     for cname, struct in STRUCTS.items():
         out[cname] = ctypes.sizeof(struct)
         for name, *_ in struct._fields_:
@@ -58,6 +59,9 @@ def probe_source(keys: list[str]) -> str:
     lines = ['#include <stddef.h>', '#include <stdio.h>', f'#include "{HEADER}"',
              "int main(void) {"]
     for key in keys:
+        if key.startswith("CGPU_") and isinstance(CONSTANTS.get(key), str):
+            lines.append(f'    printf("%s %s\\n", "{key}", {key});')
+            continue
         if key.startswith("CGPU_"):
             expr = f"(unsigned long long)({key})"
         elif key.endswith("#size"):
@@ -83,7 +87,8 @@ def test_python_layout_matches_header(tmp_path: Path) -> None:
     subprocess.run(["gcc", "-std=gnu11", "-Wall", "-Werror", "-o", str(binary), str(source)],
                    check=True)
     output = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
-    from_c = {key: int(value) for key, value in (line.split() for line in output.splitlines())}
+    from_c = {key: int(value) if value.isdigit() else value
+              for key, value in (line.split() for line in output.splitlines())}
     mismatches = {k: (expected[k], from_c[k]) for k in expected if expected[k] != from_c[k]}
     assert mismatches == {}, f"python vs C (offset/size): {mismatches}"
     assert from_c["cgpu_region"] == region.REGION_SIZE
