@@ -1,0 +1,541 @@
+"""The coordinator of the real-GPU validation: its three sections, tables and checks.
+
+    python3 harness.py memory|compute|overhead
+
+validate.sh starts the control tree and the daemon, then runs each section
+under a timeout. Everything comes from the environment it sets:
+
+| variable | meaning |
+| --- | --- |
+| VALIDATE_MODE | `real` (torch, ResNet50) or `sim` (simgpu, synthetic kernels) |
+| VALIDATE_WORK | work folder: sync files, logs, `tables.md`, `checks.txt`, `pids` |
+| CGPU_KM_ROOT, CGPU_REGION_DIR | the tree and the regions (cgpu-run and the daemon use them) |
+| VALIDATE_WINDOW, VALIDATE_WARMUP | measuring window and warm-up, seconds |
+| VALIDATE_BATCHES, VALIDATE_POLICIES | comma lists (default 1,16,32,64,128 and 2,1,5) |
+| VALIDATE_OVERHEAD_BATCH | batch of the overhead runs (64) |
+| VALIDATE_MEM_LIMIT | memory section's limit, bytes (8 GiB) |
+| VALIDATE_CTX_BYTES | bytes cgpu-run charges per context (real mode: 1 GiB, an overestimate) |
+
+Exit status: 0 when the section measured (its PASS/FAIL lines are in
+checks.txt), 3 when it could not (a worker died, a barrier timed out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
+
+from cgpu_km import treefs  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+TARGET = 0.03  # the issue's accuracy bar: 3 %
+POLICY_NAMES = {0: "fair-share", 1: "preemptive", 2: "weight-based preemptive", 3: "fixed",
+                4: "soft", 5: "native"}
+WEIGHTS = {"w1": 1, "w2": 2}
+
+
+class Broken(RuntimeError):
+    """The setup failed: the section could not measure."""
+
+
+def stamp(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    work: Path
+    root: Path
+    window: float
+    warmup: float
+    batches: list[int]
+    policies: list[int]
+    overhead_batch: int
+    mem_limit: int
+    ctx_bytes: int | None
+    python: str = sys.executable
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Config:
+        e = dict(os.environ if env is None else env)
+        mode = e.get("VALIDATE_MODE", "real")
+        if mode not in ("real", "sim"):
+            raise Broken(f"VALIDATE_MODE must be real or sim, not {mode!r}")
+        ctx = e.get("VALIDATE_CTX_BYTES", str(GiB) if mode == "real" else "")
+        return cls(
+            mode=mode,
+            work=Path(e["VALIDATE_WORK"]),
+            root=treefs.resolve_root(None),
+            window=float(e.get("VALIDATE_WINDOW", "10")),
+            warmup=float(e.get("VALIDATE_WARMUP", "3")),
+            batches=_ints(e.get("VALIDATE_BATCHES", "1,16,32,64,128")),
+            policies=_ints(e.get("VALIDATE_POLICIES", "2,1,5")),
+            overhead_batch=int(e.get("VALIDATE_OVERHEAD_BATCH", "64")),
+            mem_limit=int(e.get("VALIDATE_MEM_LIMIT", str(8 * GiB))),
+            ctx_bytes=int(ctx) if ctx else None,
+        )
+
+    @property
+    def worker(self) -> list[str]:
+        script = "resnet_worker.py" if self.mode == "real" else "synthetic_worker.py"
+        return [self.python, str(HERE / script)]
+
+    def cgpu_run(self, name: str, *, memsize: int, weight: int = 1) -> list[str]:
+        command = [self.python, "-m", "cgpu_km.run", "--name", name, "--memsize", str(memsize),
+                   "--weight", str(weight)]
+        if self.ctx_bytes is not None:
+            command += ["--ctx-bytes", str(self.ctx_bytes)]
+        return [*command, "--"]
+
+
+# -- reporting -----------------------------------------------------------------
+
+
+def emit(cfg: Config, text: str) -> None:
+    """Print a table (or any block) and keep it for tables.md."""
+    print(text, flush=True)
+    with (cfg.work / "tables.md").open("a") as out:
+        out.write(text + "\n")
+
+
+def check(cfg: Config, passed: bool, what: str) -> bool:
+    line = f"{'PASS' if passed else 'FAIL'} {what}"
+    print(line, flush=True)
+    with (cfg.work / "checks.txt").open("a") as out:
+        out.write(line + "\n")
+    return passed
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *(line(r) for r in rows)])
+
+
+def mib(value: float) -> str:
+    return f"{value / MiB:.1f} MiB"
+
+
+# -- processes -------------------------------------------------------------------
+
+
+@dataclass
+class Spawned:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Processes:
+    """Children in their own process groups (cgpu-run and its command die together)."""
+
+    cfg: Config
+    children: list[Spawned] = field(default_factory=list)
+
+    def spawn(self, name: str, command: list[str], env: dict[str, str] | None = None) -> Spawned:
+        log = self.cfg.work / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            out.write(f"$ {' '.join(command)}\n".encode())
+            out.flush()
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        with (self.cfg.work / "pids").open("a") as pids:  # validate.sh's trap kills these
+            pids.write(f"{process.pid}\n")
+        spawned = Spawned(name, process, log)
+        self.children.append(spawned)
+        return spawned
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            rc = child.process.poll()
+            if rc is not None:
+                tail = child.log.read_text(errors="replace")[-1500:]
+                raise Broken(f"{child.name} exited with status {rc}; its log ends:\n{tail}")
+
+    def wait(self, child: Spawned, timeout: float) -> int:
+        try:
+            return child.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise Broken(f"{child.name} did not exit within {timeout:.0f} s") from None
+
+    def stop_all(self) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+        self.children.clear()
+
+
+@contextlib.contextmanager
+def processes(cfg: Config) -> Iterator[Processes]:
+    procs = Processes(cfg)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+def wait_files(procs: Processes, paths: Sequence[Path], timeout: float, what: str,
+               failed: Sequence[Path] = ()) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        for path in failed:
+            if path.exists():
+                raise Broken(f"{what}: {path.name}: {path.read_text()[:500]}")
+        procs.check_alive()
+        if time.monotonic() > deadline:
+            missing = [p.name for p in paths if not p.exists()]
+            raise Broken(f"{what}: no {', '.join(missing)} within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+# -- NVML, from outside the containers ------------------------------------------------
+
+
+class Nvml:
+    """Per-process memory and GPU time of GPU 0, as the host sees them."""
+
+    def __init__(self, cfg: Config) -> None:
+        import pynvml
+
+        if cfg.mode == "sim":
+            from cgpu_km.gpus import load_simgpu
+
+            load_simgpu()
+        self.nvml: Any = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def process_memory(self) -> dict[int, int]:
+        procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        return {int(p.pid): int(p.usedGpuMemory or 0) for p in procs}
+
+    def busy_since(self, last: int) -> tuple[list[tuple[int, int, int]], int]:
+        """(pid, timestamp us, sm percent) samples newer than `last`, and the newest stamp."""
+        try:
+            samples = self.nvml.nvmlDeviceGetProcessUtilization(self.handle, last)
+        except self.nvml.NVMLError:
+            return [], last
+        rows = [(int(s.pid), int(s.timeStamp), int(s.smUtil)) for s in samples]
+        return rows, max([last, *(r[1] for r in rows)])
+
+
+class Meter:
+    """GPU busy seconds per pid over a window, integrated from NVML's process samples."""
+
+    def __init__(self, nvml: Nvml | None) -> None:
+        self.nvml = nvml
+        self.busy: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.nvml is None:
+            return
+        self.busy = {}
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self.nvml is not None
+        _, last = self.nvml.busy_since(0)
+        while not self._stop.wait(0.2):
+            rows, newest = self.nvml.busy_since(last)
+            for pid, when, sm in rows:
+                if when > last:
+                    self.busy[pid] = self.busy.get(pid, 0.0) + sm / 100 * (when - last) / 1e6
+            last = newest
+
+    def stop(self) -> dict[int, float]:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        return dict(self.busy)
+
+
+def open_nvml(cfg: Config) -> Nvml | None:
+    try:
+        return Nvml(cfg)
+    except Exception as error:
+        stamp(f"NVML unavailable in the coordinator ({error!r}): no GPU-time column")
+        return None
+
+
+# -- 1. memory -----------------------------------------------------------------
+
+
+def read_meminfo(cfg: Config, name: str) -> dict[int, int]:
+    try:
+        text = (cfg.root / "0" / name / "meminfo").read_text()
+    except OSError:
+        return {}
+    return treefs.parse_meminfo(text)[1]
+
+
+def section_memory(cfg: Config) -> None:
+    name = "val-mem"
+    status = cfg.work / "memory"
+    status.mkdir(exist_ok=True)
+    backend = "torch" if cfg.mode == "real" else "driver"
+    limit = cfg.mem_limit
+    nvml = open_nvml(cfg)
+    with processes(cfg) as procs:
+        stamp(f"memory: {backend} process under cgpu-run --memsize {limit} ({mib(limit)})")
+        child = procs.spawn("memory", [*cfg.cgpu_run(name, memsize=limit),
+                                       cfg.python, str(HERE / "memory_check.py"), backend,
+                                       str(status)])
+        wait_files(procs, [status / "holding.json"], 180, "memory probe")
+        report = json.loads((status / "holding.json").read_text())
+        pid = int(report["pid"])
+        meminfo: dict[int, int] = {}
+        from_nvml: dict[int, int] = {}
+        deadline = time.monotonic() + 10  # the daemon feeds meminfo every 0.5 s
+        while time.monotonic() < deadline:
+            meminfo = read_meminfo(cfg, name)
+            from_nvml = nvml.process_memory() if nvml is not None else {}
+            if pid in meminfo and meminfo.get(pid) == from_nvml.get(pid):
+                break
+            time.sleep(0.25)
+        (status / "release").touch()
+        procs.wait(child, 60)
+    report_memory(cfg, limit, report, meminfo, from_nvml)
+
+
+def report_memory(cfg: Config, limit: int, report: dict[str, Any], meminfo: dict[int, int],
+                  from_nvml: dict[int, int]) -> None:
+    pid = int(report["pid"])
+    seen = report["mem_get_info"]
+    inside = report["nvml_inside"]
+    smi, smi_holding = report["nvidia_smi_inside"], report["nvidia_smi_holding"]
+    allocs = report["alloc"]
+    label = "torch.cuda.mem_get_info()" if report["backend"] == "torch" else "cuMemGetInfo"
+    rows = [
+        [f"{label} total", mib(limit), mib(seen["total"])],
+        [f"{label} free at start", "", mib(seen["free"])],
+        ["NVML memory total (inside)", mib(limit),
+         mib(inside["total"]) if "total" in inside else inside.get("error", "?")],
+        ["nvidia-smi memory.total (inside)", f"{limit // MiB} MiB",
+         f"{smi['total_mib']} MiB" if "total_mib" in smi else smi.get("error", "?")[:60]],
+        [f"allocate free - 64 MiB ({mib(allocs[0]['size'])})", "ok", allocs[0]["result"]],
+        ["then allocate 32 MiB", "ok", allocs[1]["result"]],
+        ["then allocate 64 MiB (beyond the limit)", "OOM", allocs[2]["result"]],
+        [f"{label} free when holding", "< 64 MiB", mib(report["free_after"])],
+        ["nvidia-smi memory.used when holding", "",
+         f"{smi_holding['used_mib']} MiB" if "used_mib" in smi_holding else "-"],
+    ]
+    if "torch_reserved" in report:
+        rows.append(["torch memory_reserved() when holding", "", mib(report["torch_reserved"])])
+    emit(cfg, f"\n### 1. Memory: limit {mib(limit)} on GPU 0 (pid {pid})\n")
+    emit(cfg, table(["what", "expected", "seen"], rows))
+    in_meminfo, in_nvml = meminfo.get(pid), from_nvml.get(pid)
+    others = {p: v for p, v in from_nvml.items() if p != pid}
+    emit(cfg, "\n" + table(
+        ["pid", "daemon meminfo", "NVML per-process", "difference"],
+        [[str(pid), mib(in_meminfo) if in_meminfo is not None else "absent",
+          mib(in_nvml) if in_nvml is not None else "absent",
+          f"{(in_meminfo or 0) - (in_nvml or 0)} B"]]))
+    if others:
+        emit(cfg, f"(NVML also lists pids {sorted(others)}: other processes on the GPU)")
+    check(cfg, seen["total"] == limit, f"memory: {label} total is the limit")
+    if "total" in inside:
+        check(cfg, inside["total"] == limit, "memory: NVML inside shows the limit")
+    if "total_mib" in smi:
+        check(cfg, smi["total_mib"] == limit // MiB, "memory: nvidia-smi inside shows the limit")
+    check(cfg, [a["result"] for a in allocs] == ["ok", "ok", "OOM"],
+          "memory: allocates up to the limit, out of memory beyond it")
+    check(cfg, in_meminfo is not None and in_meminfo == in_nvml,
+          "memory: daemon meminfo equals NVML's per-process usage")
+    if in_nvml is not None:
+        check(cfg, in_nvml <= limit, f"memory: NVML's usage of the process ({mib(in_nvml)}) "
+              "is within the limit")
+
+
+# -- 2. compute ------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    batch: int
+    workers: list[str]
+    policy: int
+
+
+def run_phases(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
+               nvml: Nvml | None, label: str) -> list[dict[str, dict[str, Any]]]:
+    """Drive the workers through the plan; per phase, each worker's result (+ GPU time)."""
+    results: list[dict[str, dict[str, Any]]] = []
+    meter = Meter(nvml)
+    failed = [sync / f"failed-{w}" for w in {w for p in plan for w in p.workers}]
+    for index, phase in enumerate(plan):
+        if treefs.read_int(cfg.root / "0" / "policy") != phase.policy:
+            treefs.write_node(cfg.root, "0/policy", phase.policy)
+        stamp(f"{label} {index + 1}/{len(plan)}: policy {phase.policy}, batch {phase.batch}, "
+              f"{'+'.join(phase.workers)}")
+        wait_files(procs, [sync / f"ready-{index}-{w}" for w in phase.workers], 300,
+                   f"phase {index} ready", failed)
+        time.sleep(cfg.warmup)
+        start = time.time() + 0.2
+        (sync / f".go-{index}").write_text(json.dumps({"start": start, "window": cfg.window}))
+        os.replace(sync / f".go-{index}", sync / f"go-{index}")
+        time.sleep(max(0.0, start - time.time()))
+        meter.start()
+        time.sleep(cfg.window)
+        busy = meter.stop()
+        wait_files(procs, [sync / f"result-{index}-{w}" for w in phase.workers],
+                   cfg.window + 120, f"phase {index} results", failed)
+        row = {}
+        for worker in phase.workers:
+            result = json.loads((sync / f"result-{index}-{worker}").read_text())
+            result["gpu_seconds"] = busy.get(int(result["pid"])) if nvml is not None else None
+            row[worker] = result
+        results.append(row)
+        (sync / f"done-{index}").touch()
+    return results
+
+
+def start_workers(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
+                  containers: dict[str, int | None]) -> None:
+    """One worker per name: in a container of that weight, or bare (None: no libcgpu)."""
+    sync.mkdir(parents=True, exist_ok=True)
+    (sync / "plan.json").write_text(json.dumps(
+        [{"batch": p.batch, "workers": p.workers} for p in plan]))
+    memsize = 40 * GiB if cfg.mode == "real" else 8 * GiB
+    for worker, weight in containers.items():
+        command = [*cfg.worker, worker, str(sync)]
+        if weight is not None:
+            command = [*cfg.cgpu_run(f"val-{worker}", memsize=memsize, weight=weight), *command]
+        procs.spawn(worker, command)
+
+
+def ratio_row(batch: int, results: dict[str, dict[str, Any]], target: float | None
+              ) -> tuple[list[str], float | None]:
+    slow, fast = results["w1"], results["w2"]
+    a, b = float(slow["images_per_s"]), float(fast["images_per_s"])
+    ratio = b / a if a > 0 else float("inf")
+    error = (ratio / target - 1) if target else None
+    time_a, time_b = slow.get("gpu_seconds"), fast.get("gpu_seconds")
+    gpu_time = f"1:{time_b / time_a:.2f}" if time_a and time_b else "-"
+    return ([str(batch), f"{a:.1f}", f"{b:.1f}", f"1:{ratio:.3f}",
+             f"1:{target:g}" if target else "-", f"{error * 100:+.1f}%" if error is not None
+             else "-", gpu_time], error)
+
+
+def section_compute(cfg: Config) -> None:
+    sync = cfg.work / "compute"
+    plan = [Phase(b, ["w1", "w2"], p) for p in cfg.policies for b in cfg.batches]
+    nvml = open_nvml(cfg)
+    workload = ("ResNet50 FP16 inference (torchvision, random weights and inputs)"
+                if cfg.mode == "real" else "synthetic sleep_<us> kernels on simgpu")
+    with processes(cfg) as procs:
+        stamp(f"compute: two containers, weights 1:2, {len(plan)} phases of "
+              f"{cfg.warmup:g} s warm-up + {cfg.window:g} s window")
+        start_workers(cfg, procs, sync, plan, dict(WEIGHTS))
+        results = run_phases(cfg, procs, sync, plan, nvml, "compute phase")
+    header = ["batch", "weight 1 img/s", "weight 2 img/s", "ratio", "target", "error",
+              "GPU time (NVML)"]
+    for policy in cfg.policies:
+        target = {2: 2.0, 1: 1.0}.get(policy)
+        rows = []
+        for phase, result in zip(plan, results, strict=True):
+            if phase.policy != policy:
+                continue
+            row, error = ratio_row(phase.batch, result, target)
+            rows.append(row)
+            if policy == 2 and error is not None:
+                check(cfg, abs(error) <= TARGET, f"compute: policy 2, batch {phase.batch}: "
+                      f"ratio {row[3]}, error {row[5]} (target 1:2 within 3%)")
+        name = POLICY_NAMES.get(policy, "?")
+        note = {2: "", 1: " (contrast: expect about 1:1)",
+                5: " (contrast: native, no time slicing)"}.get(policy, "")
+        emit(cfg, f"\n### 2. Compute: policy {policy} ({name}){note}\n{workload}, two "
+                  f"containers at weights 1:2, {cfg.window:g} s window\n")
+        emit(cfg, table(header, rows))
+
+
+# -- 3. overhead ------------------------------------------------------------------
+
+
+def section_overhead(cfg: Config) -> None:
+    sync = cfg.work / "overhead"
+    batch = cfg.overhead_batch
+    order = ["bare", "lib", "bare", "lib"]
+    plan = [Phase(batch, [w], 1) for w in order]
+    with processes(cfg) as procs:
+        stamp(f"overhead: one process alone at batch {batch}, with and without libcgpu, "
+              "alternating")
+        start_workers(cfg, procs, sync, plan, {"lib": 1, "bare": None})
+        results = run_phases(cfg, procs, sync, plan, None, "overhead phase")
+    rates: dict[str, list[float]] = {"bare": [], "lib": []}
+    for phase, result in zip(plan, results, strict=True):
+        worker = phase.workers[0]
+        rates[worker].append(float(result[worker]["images_per_s"]))
+    bare = sum(rates["bare"]) / len(rates["bare"])
+    lib = sum(rates["lib"]) / len(rates["lib"])
+    ratio = lib / bare if bare > 0 else 0.0
+    emit(cfg, f"\n### 3. Overhead: one process alone, batch {batch}, policy 1, "
+              f"{cfg.window:g} s windows\n")
+    emit(cfg, table(["run", "img/s (each window)", "mean img/s"], [
+        ["without libcgpu", ", ".join(f"{r:.1f}" for r in rates["bare"]), f"{bare:.1f}"],
+        ["with libcgpu (cgpu-run, daemon)", ", ".join(f"{r:.1f}" for r in rates["lib"]),
+         f"{lib:.1f}"],
+        ["ratio with/without", "", f"{ratio:.4f} ({(ratio - 1) * 100:+.1f}%)"],
+    ]))
+    check(cfg, ratio >= 1 - TARGET, f"overhead: with/without libcgpu {ratio:.4f} "
+          "(at most 3% slower)")
+
+
+SECTIONS = {"memory": section_memory, "compute": section_compute, "overhead": section_overhead}
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) != 1 or argv[0] not in SECTIONS:
+        print(f"usage: harness.py {'|'.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # `timeout`: clean up the workers
+    try:
+        cfg = Config.from_env()
+        SECTIONS[argv[0]](cfg)
+    except Broken as error:
+        print(f"BROKEN {argv[0]}: {error}", flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
