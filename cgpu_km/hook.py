@@ -36,6 +36,7 @@ from cgpu_km.envplan import (
     switch_mode,
 )
 from cgpu_km.gpus import GpuError, discover_gpus
+from cgpu_km.inject import prepare_data_plane, remove_data_plane
 
 PROG = "cgpu-hook"
 ID_LENGTH = 12
@@ -133,8 +134,8 @@ def unregister_from_gpus(ctx: HookContext) -> None:
 
 
 # The data plane adds its steps here (shared-memory region, library injection).
-PRESTART_STEPS: list[PrestartStep] = [register_on_gpus]
-POSTSTOP_STEPS: list[PoststopStep] = [unregister_from_gpus]
+PRESTART_STEPS: list[PrestartStep] = [register_on_gpus, prepare_data_plane]
+POSTSTOP_STEPS: list[PoststopStep] = [unregister_from_gpus, remove_data_plane]
 
 
 def run_prestart_steps(ctx: HookContext, steps: Sequence[PrestartStep], stderr: TextIO) -> None:

@@ -1,0 +1,153 @@
+"""The OCI hook's data-plane steps: a region for the container and libcgpu inside it.
+
+prestart (`prepare_data_plane`), for an enabled container:
+  1. create its region on the host (`region_path(id12)`), limits from the plan;
+  2. in the container's mount namespace (its init process is still before
+     pivot_root, so host paths are visible), bind-mount libcgpu.so at
+     CONTAINER_LIBRARY_PATH, the region at CONTAINER_REGION_PATH (libcgpu's
+     default when $CGPU_REGION is unset), and an /etc/ld.so.preload that adds
+     the library to the rootfs's own, so every dynamically linked process
+     of the container loads it.
+poststop (`remove_data_plane`): delete the region and the preload file (the
+mounts go away with the container's mount namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cgpu_km import region as region_mod
+
+if TYPE_CHECKING:
+    from cgpu_km.hook import HookContext, Undo
+
+LIBCGPU_ENV = "CGPU_LIBCGPU"
+
+
+class InjectError(Exception):
+    """A data-plane step failed; `str(error)` is the one-line message."""
+
+
+def libcgpu_path() -> Path:
+    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`."""
+    override = os.environ.get(LIBCGPU_ENV)
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[1] / "libcgpu" / "libcgpu.so"
+
+
+def preload_path(id12: str) -> Path:
+    return region_mod.region_dir() / f"{id12}.preload"
+
+
+def rootfs_of(bundle: Path) -> Path:
+    """The container's root filesystem on the host, from config.json."""
+    config = json.loads((bundle / "config.json").read_text())
+    root = Path(config.get("root", {}).get("path", "rootfs"))
+    return root if root.is_absolute() else bundle / root
+
+
+def preload_text(rootfs: Path) -> str:
+    """The rootfs's own ld.so.preload with libcgpu added (once)."""
+    try:
+        lines = (rootfs / "etc" / "ld.so.preload").read_text().splitlines()
+    except OSError:
+        lines = []
+    lines = [line for line in lines if line.strip() != region_mod.CONTAINER_LIBRARY_PATH]
+    return "\n".join([*lines, region_mod.CONTAINER_LIBRARY_PATH]) + "\n"
+
+
+MOUNT_SCRIPT = r"""
+set -e
+bind() {  # bind SOURCE TARGET: make TARGET (a file) exist, then mount SOURCE on it
+    mkdir -p "$(dirname "$2")"
+    [ -e "$2" ] || : > "$2"
+    mount --bind "$1" "$2"
+}
+bind "$LIB" "$ROOTFS$LIB_AT"
+bind "$REGION" "$ROOTFS$REGION_AT"
+bind "$PRELOAD" "$ROOTFS/etc/ld.so.preload"
+"""
+
+
+def mount_into(pid: int, rootfs: Path, library: Path, region: Path, preload: Path) -> None:
+    """Bind-mount the three files into the mount namespace of `pid`."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        "ROOTFS": str(rootfs), "LIB": str(library), "REGION": str(region),
+        "PRELOAD": str(preload), "LIB_AT": region_mod.CONTAINER_LIBRARY_PATH,
+        "REGION_AT": region_mod.CONTAINER_REGION_PATH,
+    }
+    result = subprocess.run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--", "sh", "-c",
+                             MOUNT_SCRIPT], env=env, capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        detail = (result.stderr.strip().splitlines() or ["failed"])[-1]
+        raise InjectError(f"mounting libcgpu into the container failed: {detail}")
+
+
+def injection_blocker(pid: int | None, rootfs: Path) -> str | None:
+    """Why libcgpu cannot be mounted into this container, or None.
+
+    Never mount into the hook's own mount namespace: that would change the
+    host (a state with a wrong pid, or a runtime without mount namespaces)."""
+    if pid is None:
+        return "the OCI state has no pid"
+    if not rootfs.is_dir():
+        return f"its root filesystem {rootfs} is not a directory"
+    try:
+        theirs = os.readlink(f"/proc/{pid}/ns/mnt")
+        ours = os.readlink("/proc/self/ns/mnt")
+    except OSError as error:
+        return f"cannot read the mount namespace of pid {pid}: {error.strerror}"
+    if theirs == ours:
+        return "it shares the hook's mount namespace"
+    return None
+
+
+def gpu_specs(ctx: HookContext) -> list[region_mod.GpuSpec]:
+    simulated = not Path("/dev/nvidiactl").exists() or os.environ.get("CGPU_SIMULATE") == "1"
+    ctx_bytes = region_mod.default_ctx_bytes(simulated)
+    return [region_mod.GpuSpec(limit=gpu.memsize, uuid=gpu.uuid, host_index=gpu.index,
+                               ctx_bytes=ctx_bytes) for gpu in ctx.plan.gpus]
+
+
+def prepare_data_plane(ctx: HookContext, undo: Undo) -> None:
+    """prestart step: region on the host, library and region inside the container."""
+    from cgpu_km.hook import HookError
+
+    library = libcgpu_path()
+    if not library.is_file():
+        raise HookError(f"{library} not found: build it with `make -C libcgpu` "
+                        f"or set {LIBCGPU_ENV}")
+    path = region_mod.region_path(ctx.id12)
+    try:
+        region_mod.Region.create(path, ctx.id12, gpu_specs(ctx), mode=ctx.plan.mode or "cgpu",
+                                 oom_script=ctx.plan.oom_script or "").close()
+    except (region_mod.RegionError, OSError) as error:
+        raise HookError(f"creating the region {path} failed: {error}") from None
+    undo.push("region", lambda: region_mod.Region.remove(path))
+    try:
+        rootfs = rootfs_of(ctx.bundle)
+        blocker = injection_blocker(ctx.pid, rootfs)
+        if blocker is not None:
+            print(f"cgpu-hook: warning: libcgpu not injected into {ctx.id12}: {blocker}",
+                  file=sys.stderr)
+            return
+        preload = preload_path(ctx.id12)
+        preload.write_text(preload_text(rootfs))
+        undo.push("ld.so.preload", lambda: preload.unlink(missing_ok=True))
+        assert ctx.pid is not None
+        mount_into(ctx.pid, rootfs, library, path, preload)
+    except (InjectError, OSError, ValueError) as error:
+        raise HookError(str(error)) from None
+
+
+def remove_data_plane(ctx: HookContext) -> None:
+    """poststop step: idempotent."""
+    region_mod.Region.remove(region_mod.region_path(ctx.id12))
+    preload_path(ctx.id12).unlink(missing_ok=True)
