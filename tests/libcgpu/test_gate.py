@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cgpu_km import region as region_mod
-from tests.libcgpu.sandbox import HERE, Sandbox
+from tests.libcgpu.sandbox import HERE, UUID, Sandbox
 
 LAUNCHES = {
     "cuLaunchKernel": ["launch", "1", "sleep_0"],
@@ -127,3 +127,31 @@ def test_clear_heartbeat_releases_at_once(sandbox: Sandbox) -> None:
     out, _ = proc.communicate(timeout=10)
     assert out.endswith("launch 1 rc=0\n")
     assert time.monotonic() - released < 2
+
+
+def test_gates_are_per_gpu(sandbox: Sandbox) -> None:
+    second = "GPU-6a3f2c10-84b1-4f0e-9d2a-51c7e0b4a9d4"
+    sandbox.base_env["SIMGPU_DEVICES"] += f",Tesla T4:15109MiB:{second}"
+    region = region_mod.Region.create(
+        sandbox.region_path, "two", [region_mod.GpuSpec(1 << 30, UUID, 0),
+                                     region_mod.GpuSpec(1 << 30, second, 1)])
+    sandbox.region = region
+    sandbox.start_heartbeat()
+    region.set_gate(1, False)
+    result = sandbox.workload("--device", "0", "launch", "2", "sleep_0", timeout=10)
+    assert result.stdout == "launch 2 rc=0\n"
+    assert region.activity(0).launches == 2
+    proc = sandbox.popen([str(sandbox.built.workload), "--device", "1", "wait",
+                          "launch", "1", "sleep_0"])
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "waiting\n"
+    go(proc)
+    deadline = time.monotonic() + 10
+    while region.activity(1).pending != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert region.activity(0).pending == 0
+    region.set_gate(1, True)
+    out, _ = proc.communicate(timeout=10)
+    assert out.endswith("launch 1 rc=0\n")
+    assert region.activity(1).launches == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cgpu_km import region as region_mod
-from tests.libcgpu.sandbox import DEVICE_TOTAL, Sandbox
+from tests.libcgpu.sandbox import DEVICE_TOTAL, UUID, Sandbox
 
 OOM = 2
 NOT_SUPPORTED = 801
@@ -253,3 +253,19 @@ def test_bad_region_is_reported(sandbox: Sandbox) -> None:
     result = sandbox.workload("alloc", str(MiB))
     assert rcs(result) == [("alloc", 0)]
     assert "unknown layout" in result.stderr
+
+
+def test_each_gpu_has_its_own_limit(sandbox: Sandbox) -> None:
+    """Two GPUs matched by UUID, in the opposite order of the driver's ordinals."""
+    second = "GPU-6a3f2c10-84b1-4f0e-9d2a-51c7e0b4a9d4"
+    sandbox.base_env["SIMGPU_DEVICES"] += f",Tesla T4:15109MiB:{second}"
+    region = region_mod.Region.create(
+        sandbox.region_path, "two", [region_mod.GpuSpec(2 * MiB, second, 1),
+                                     region_mod.GpuSpec(MiB, UUID, 0)])
+    sandbox.region = region
+    on_first = sandbox.workload("--device", "0", "alloc", str(MiB), "alloc", "1", "total")
+    assert rcs(on_first) == [("alloc", 0), ("alloc", OOM), ("total", 0)]
+    assert f"total {MiB} " in on_first.stdout
+    on_second = sandbox.workload("--device", "1", "alloc", str(2 * MiB), "alloc", "1", "info")
+    assert rcs(on_second) == [("alloc", 0), ("alloc", OOM), ("info", 0)]
+    assert f"info free=0 total={2 * MiB} " in on_second.stdout
