@@ -86,10 +86,11 @@ def measure(paths: dict[str, Path], tmp: Path, case: Case, with_library: bool) -
 
 
 def median_pair(run: Callable[[bool], float], rounds: int) -> tuple[float, float]:
+    """Medians of both; which one runs first alternates, so order effects cancel."""
     without, with_ = [], []
-    for _ in range(rounds):
-        without.append(run(False))
-        with_.append(run(True))
+    for round_ in range(rounds):
+        for with_library in ((False, True) if round_ % 2 == 0 else (True, False)):
+            (with_ if with_library else without).append(run(with_library))
     return statistics.median(without), statistics.median(with_)
 
 
