@@ -7,7 +7,8 @@ under a timeout. Everything comes from the environment it sets:
 
 | variable | meaning |
 | --- | --- |
-| VALIDATE_MODE | `real` (torch, ResNet50) or `sim` (simgpu, synthetic kernels) |
+| VALIDATE_MODE | `real` (NVIDIA's driver) or `sim` (simgpu) |
+| VALIDATE_BACKEND | `torch` (ResNet50; real's default) or `driver` (synthetic kernels; sim's) |
 | VALIDATE_WORK | work folder: sync files, logs, `tables.md`, `checks.txt`, `pids` |
 | CGPU_KM_ROOT, CGPU_REGION_DIR | the tree and the regions (cgpu-run and the daemon use them) |
 | VALIDATE_WINDOW, VALIDATE_WARMUP | measuring window and warm-up, seconds |
@@ -15,6 +16,7 @@ under a timeout. Everything comes from the environment it sets:
 | VALIDATE_OVERHEAD_BATCH | batch of the overhead runs (64) |
 | VALIDATE_MEM_LIMIT | memory section's limit, bytes (8 GiB) |
 | VALIDATE_CTX_BYTES | bytes cgpu-run charges per context (real mode: 1 GiB, an overestimate) |
+| VALIDATE_DAEMON_PID | cgpu-daemon's pid: a section whose daemon died did not measure |
 
 Exit status: 0 when the section measured (its PASS/FAIL lines are in
 checks.txt), 3 when it could not (a worker died, a barrier timed out).
@@ -64,6 +66,7 @@ def _ints(text: str) -> list[int]:
 @dataclass(frozen=True)
 class Config:
     mode: str
+    backend: str
     work: Path
     root: Path
     window: float
@@ -73,6 +76,7 @@ class Config:
     overhead_batch: int
     mem_limit: int
     ctx_bytes: int | None
+    daemon_pid: int | None
     python: str = sys.executable
 
     @classmethod
@@ -81,9 +85,13 @@ class Config:
         mode = e.get("VALIDATE_MODE", "real")
         if mode not in ("real", "sim"):
             raise Broken(f"VALIDATE_MODE must be real or sim, not {mode!r}")
+        backend = e.get("VALIDATE_BACKEND", "torch" if mode == "real" else "driver")
+        if backend not in ("torch", "driver"):
+            raise Broken(f"VALIDATE_BACKEND must be torch or driver, not {backend!r}")
         ctx = e.get("VALIDATE_CTX_BYTES", str(GiB) if mode == "real" else "")
         return cls(
             mode=mode,
+            backend=backend,
             work=Path(e["VALIDATE_WORK"]),
             root=treefs.resolve_root(None),
             window=float(e.get("VALIDATE_WINDOW", "10")),
@@ -93,11 +101,22 @@ class Config:
             overhead_batch=int(e.get("VALIDATE_OVERHEAD_BATCH", "64")),
             mem_limit=int(e.get("VALIDATE_MEM_LIMIT", str(8 * GiB))),
             ctx_bytes=int(ctx) if ctx else None,
+            daemon_pid=int(e["VALIDATE_DAEMON_PID"]) if e.get("VALIDATE_DAEMON_PID") else None,
         )
+
+    def check_daemon(self) -> None:
+        """Figures taken while the daemon was gone (gates fail open) mean nothing: stop."""
+        if self.daemon_pid is None:
+            return
+        try:
+            os.kill(self.daemon_pid, 0)
+        except ProcessLookupError:
+            raise Broken(f"cgpu-daemon (pid {self.daemon_pid}) exited: see logs/daemon.log"
+                         ) from None
 
     @property
     def worker(self) -> list[str]:
-        script = "resnet_worker.py" if self.mode == "real" else "synthetic_worker.py"
+        script = "resnet_worker.py" if self.backend == "torch" else "synthetic_worker.py"
         return [self.python, str(HERE / script)]
 
     def cgpu_run(self, name: str, *, memsize: int, weight: int = 1) -> list[str]:
@@ -312,7 +331,7 @@ def section_memory(cfg: Config) -> None:
     name = "val-mem"
     status = cfg.work / "memory"
     status.mkdir(exist_ok=True)
-    backend = "torch" if cfg.mode == "real" else "driver"
+    backend = cfg.backend
     limit = cfg.mem_limit
     nvml = open_nvml(cfg)
     with processes(cfg) as procs:
@@ -334,6 +353,7 @@ def section_memory(cfg: Config) -> None:
             time.sleep(0.25)
         (status / "release").touch()
         procs.wait(child, 60)
+        cfg.check_daemon()
     report_memory(cfg, limit, report, meminfo, from_nvml)
 
 
@@ -417,6 +437,7 @@ def run_phases(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
         meter.start()
         time.sleep(cfg.window)
         busy = meter.stop()
+        cfg.check_daemon()
         wait_files(procs, [sync / f"result-{index}-{w}" for w in phase.workers],
                    cfg.window + 120, f"phase {index} results", failed)
         row = {}
@@ -435,7 +456,7 @@ def start_workers(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
     sync.mkdir(parents=True, exist_ok=True)
     (sync / "plan.json").write_text(json.dumps(
         [{"batch": p.batch, "workers": p.workers} for p in plan]))
-    memsize = 40 * GiB if cfg.mode == "real" else 8 * GiB
+    memsize = 40 * GiB if cfg.backend == "torch" else 8 * GiB
     for worker, weight in containers.items():
         command = [*cfg.worker, worker, str(sync)]
         if weight is not None:
@@ -461,7 +482,7 @@ def section_compute(cfg: Config) -> None:
     plan = [Phase(b, ["w1", "w2"], p) for p in cfg.policies for b in cfg.batches]
     nvml = open_nvml(cfg)
     workload = ("ResNet50 FP16 inference (torchvision, random weights and inputs)"
-                if cfg.mode == "real" else "synthetic sleep_<us> kernels on simgpu")
+                if cfg.backend == "torch" else f"synthetic sleep_<us> kernels ({cfg.mode})")
     with processes(cfg) as procs:
         stamp(f"compute: two containers, weights 1:2, {len(plan)} phases of "
               f"{cfg.warmup:g} s warm-up + {cfg.window:g} s window")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import phases  # noqa: E402
+import phases
 
 
 def main(name: str, sync: Path) -> int:

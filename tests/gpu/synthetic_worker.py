@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import phases  # noqa: E402
+import phases
 
 KERNELS = 4
 BASE_US = 2000

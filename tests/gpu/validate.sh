@@ -16,6 +16,9 @@
 #
 # Environment knobs: CGPU_VALIDATE_TREE=auto|proc|fuse|plain (auto),
 # CGPU_VALIDATE_BUDGET (seconds for the whole run: 540, simulated 240),
+# CGPU_VALIDATE_PYTHON (the interpreter with torch: python3),
+# CGPU_VALIDATE_LIBCGPU_CHECK=1 (first run tests/gpu/libcgpu_torch.py --no-bench),
+# VALIDATE_BACKEND=torch|driver (driver: synthetic kernels, for rehearsing without torch),
 # VALIDATE_WINDOW, VALIDATE_WARMUP, VALIDATE_BATCHES, VALIDATE_POLICIES,
 # VALIDATE_OVERHEAD_BATCH, VALIDATE_MEM_LIMIT, VALIDATE_CTX_BYTES (harness.py).
 set -u -o pipefail
@@ -93,7 +96,8 @@ trap cleanup EXIT
 trap 'log "interrupted"; exit 2' INT TERM
 
 if [ "$SIMULATE" = 1 ]; then MODE=sim; else MODE=real; fi
-log "cgpu_km real-GPU validation, mode $MODE, repo $REPO, work $WORK, budget ${BUDGET}s"
+if [ "$MODE" = real ]; then BACKEND=${VALIDATE_BACKEND:-torch}; else BACKEND=${VALIDATE_BACKEND:-driver}; fi
+log "cgpu_km real-GPU validation, mode $MODE, backend $BACKEND, repo $REPO, work $WORK, budget ${BUDGET}s"
 for tool in timeout tail mktemp tar; do
     command -v "$tool" >/dev/null || broken "$tool not found"
 done
@@ -107,7 +111,7 @@ if [ "$MODE" = sim ]; then
 else
     unset CGPU_SIMULATE
 fi
-export VALIDATE_MODE=$MODE VALIDATE_WORK=$WORK
+export VALIDATE_MODE=$MODE VALIDATE_BACKEND=$BACKEND VALIDATE_WORK=$WORK
 
 # --- build ---------------------------------------------------------------------------
 build() {  # build DIR: make, then again without -Werror (a newer compiler's new warnings)
@@ -137,7 +141,7 @@ if [ "$MODE" = sim ] && [ -x "$REPO/.venv/bin/python" ]; then
     PY="$REPO/.venv/bin/python"
     export PYTHONPATH="$REPO"
 else
-    PY=$(command -v python3) || broken "python3 not found"
+    PY=$(command -v "${CGPU_VALIDATE_PYTHON:-python3}") || broken "${CGPU_VALIDATE_PYTHON:-python3} not found"
     SITE="$WORK/site"
     mkdir -p "$SITE"
     export PYTHONPATH="$REPO:$SITE"
@@ -160,7 +164,7 @@ timeout 60 "$PY" -c 'import trio, pynvml, prometheus_client, cgpu_km.daemon, cgp
 log "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 
 # --- the GPU ---------------------------------------------------------------------------
-if [ "$MODE" = real ]; then
+if [ "$MODE" = real ] && [ "$BACKEND" = torch ]; then
     command -v nvidia-smi >/dev/null || broken "nvidia-smi not found: no NVIDIA driver here?"
     timeout 60 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv \
         || broken "nvidia-smi failed"
@@ -169,6 +173,10 @@ import torch, torchvision
 assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
 print("torch", torch.__version__, "torchvision", torchvision.__version__, "CUDA", torch.version.cuda,
       "device", torch.cuda.get_device_name(0))' || broken "torch with CUDA is not usable"
+fi
+if [ "${CGPU_VALIDATE_LIBCGPU_CHECK:-0}" = 1 ] && [ "$MODE" = real ]; then
+    log "libcgpu's own real-GPU check (tests/gpu/libcgpu_torch.py --no-bench)"
+    timeout -k 5 180 "$PY" tests/gpu/libcgpu_torch.py --no-bench 2>&1 | tee "$WORK/logs/libcgpu_torch.log"
 fi
 NGPUS=$(timeout 60 "$PY" -m cgpu_km.daemon --count-gpus 2>"$WORK/logs/count-gpus.log") \
     || { cat "$WORK/logs/count-gpus.log"; broken "cgpu-daemon --count-gpus failed"; }
@@ -263,15 +271,21 @@ mkdir -p "$CGPU_REGION_DIR"
 timeout 10 cat "$ROOT/version" >/dev/null || broken "the control tree at $ROOT cannot be read"
 
 # --- the daemon -------------------------------------------------------------------------------
-"$PY" -m cgpu_km.daemon --root "$ROOT" --state-dir "$WORK/daemon" --region-dir "$CGPU_REGION_DIR" \
-    --period 0.05 >"$WORK/logs/daemon.log" 2>&1 &
-DAEMON_PID=$!
-for _ in $(seq 300); do
-    [ -f "$WORK/daemon/snapshot.json" ] && break
-    kill -0 "$DAEMON_PID" 2>/dev/null || { cat "$WORK/logs/daemon.log"; broken "cgpu-daemon exited"; }
-    sleep 0.1
-done
-[ -f "$WORK/daemon/snapshot.json" ] || { cat "$WORK/logs/daemon.log"; broken "cgpu-daemon did not publish within 30 s"; }
+start_daemon() {
+    rm -f "$WORK/daemon/snapshot.json"
+    "$PY" -m cgpu_km.daemon --root "$ROOT" --state-dir "$WORK/daemon" --region-dir "$CGPU_REGION_DIR" \
+        --period 0.05 >>"$WORK/logs/daemon.log" 2>&1 &
+    DAEMON_PID=$!
+    export VALIDATE_DAEMON_PID=$DAEMON_PID
+    for _ in $(seq 300); do
+        [ -f "$WORK/daemon/snapshot.json" ] && return 0
+        kill -0 "$DAEMON_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    tail -30 "$WORK/logs/daemon.log"
+    return 1
+}
+start_daemon || broken "cgpu-daemon did not start and publish within 30 s"
 log "cgpu-daemon running (pid $DAEMON_PID, period 0.05 s)"
 
 # --- the sections --------------------------------------------------------------------------------
@@ -299,7 +313,9 @@ run_section() {  # run_section NAME TIMEOUT
     esac
     if ! kill -0 "$DAEMON_PID" 2>/dev/null; then
         tail -20 "$WORK/logs/daemon.log"
-        broken "cgpu-daemon died during section $name"
+        echo "FAIL daemon: cgpu-daemon exited during section $name (logs/daemon.log)" | tee -a "$WORK/checks.txt"
+        start_daemon || broken "cgpu-daemon cannot be restarted"
+        log "cgpu-daemon restarted (pid $DAEMON_PID)"
     fi
 }
 run_section memory 240

@@ -1,0 +1,79 @@
+"""`tests/gpu/validate.sh --simulate`: the real-GPU validation, every step on simgpu.
+
+The script must not rot between the rare runs on an NVIDIA GPU: this runs it
+whole (build, control tree, daemon, memory, compute under policies 2/1/5,
+overhead) and checks what it prints. Bounds are generous (a small shared
+host); the real accuracy bar is checked on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "gpu" / "validate.sh"
+ROW = re.compile(r"^\|\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \|\s+1:([\d.]+) \|")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a FUSE tree: needs root")
+
+
+def run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("VALIDATE_", "CGPU_"))}
+    full.update(TMPDIR=str(tmp_path), OUT=str(tmp_path / "out"), **env)
+    return subprocess.run(["bash", str(SCRIPT), "--simulate"], env=full, capture_output=True,
+                          text=True, timeout=280, cwd=tmp_path, check=False)
+
+
+def tables(stdout: str) -> dict[int, dict[int, float]]:
+    """policy -> batch -> measured ratio (weight 2 over weight 1), from the printed tables."""
+    found: dict[int, dict[int, float]] = {}
+    policy = None
+    for line in stdout.splitlines():
+        heading = re.match(r"### 2\. Compute: policy (\d)", line)
+        if heading:
+            policy = int(heading.group(1))
+            found[policy] = {}
+        elif line.startswith("### "):
+            policy = None
+        elif policy is not None and (row := ROW.match(line)):
+            found[policy][int(row.group(1))] = float(row.group(4))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
+    result = run(tmp_path)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
+    for heading in ("### 1. Memory", "### 2. Compute: policy 2", "### 2. Compute: policy 1",
+                    "### 2. Compute: policy 5", "### 3. Overhead"):
+        assert heading in out, out[-3000:]
+    assert "BROKEN" not in out
+    assert "PASS memory: allocates up to the limit, out of memory beyond it" in out
+    assert "PASS memory: daemon meminfo equals NVML's per-process usage" in out
+    ratios = tables(out)
+    assert set(ratios[2]) == {1, 16, 32, 64, 128}, out[-3000:]
+    for batch, ratio in ratios[2].items():
+        assert ratio == pytest.approx(2.0, rel=0.10), (batch, ratios)
+    for batch, ratio in ratios[1].items():
+        assert ratio == pytest.approx(1.0, rel=0.10), (batch, ratios)
+    saved = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert saved == ["checks.txt", "tables.md", "validate-logs.tar.gz", "validate.txt"]
+    assert "### 3. Overhead" in (tmp_path / "out" / "tables.md").read_text()
+
+
+@pytest.mark.timeout(200)
+def test_mount_free_tree_fallback_carries_the_daemon(tmp_path: Path) -> None:
+    result = run(tmp_path, CGPU_VALIDATE_TREE="plain", VALIDATE_BATCHES="32",
+                 VALIDATE_POLICIES="2")
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
+    assert "control tree: plain files at" in out
+    assert "PASS memory: daemon meminfo equals NVML's per-process usage" in out
+    assert tables(out)[2][32] == pytest.approx(2.0, rel=0.10), out[-3000:]
+    assert "### 3. Overhead" in out
