@@ -274,7 +274,9 @@ static const struct hook *hook_named(const char *name)
 /* dlsym                                                              */
 /* ------------------------------------------------------------------ */
 
-/* RTLD_NEXT is relative to the caller, so search the objects after it. */
+/* RTLD_NEXT is relative to the caller (glibc takes it from the return
+ * address, which would be ours), so search the objects loaded after the
+ * caller ourselves, each through a proper handle. */
 static void *dlsym_next(const void *caller, const char *name)
 {
     Dl_info info;
@@ -283,7 +285,13 @@ static void *dlsym_next(const void *caller, const char *name)
         return NULL;
     dlsym_fn ds = get_real_dlsym();
     for (lm = lm->l_next; lm != NULL; lm = lm->l_next) {
-        void *p = ds(lm, name);
+        if (lm->l_name == NULL || lm->l_name[0] == '\0')
+            continue;
+        void *h = dlopen(lm->l_name, RTLD_LAZY | RTLD_NOLOAD);
+        if (h == NULL)
+            continue; /* the vDSO */
+        void *p = ds(h, name);
+        dlclose(h);
         if (p != NULL)
             return p;
     }

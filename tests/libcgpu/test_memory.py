@@ -269,3 +269,41 @@ def test_each_gpu_has_its_own_limit(sandbox: Sandbox) -> None:
     on_second = sandbox.workload("--device", "1", "alloc", str(2 * MiB), "alloc", "1", "info")
     assert rcs(on_second) == [("alloc", 0), ("alloc", OOM), ("info", 0)]
     assert f"info free=0 total={2 * MiB} " in on_second.stdout
+
+
+DLSYM_PROBE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+static const char *owner(void *p) {
+    Dl_info info;
+    return p && dladdr(p, &info) ? info.dli_fname : "-";
+}
+int main(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    printf("next-malloc-is-libc %d\n",
+           dlsym(RTLD_NEXT, "malloc") == dlsym(dlopen("libc.so.6", RTLD_NOW), "malloc"));
+    printf("handle %s\n", owner(dlsym(cuda, "cuMemAlloc_v2")));
+    printf("handle-unwrapped %s\n", owner(dlsym(cuda, "cuDeviceGetName")));
+    return 0;
+}
+"""
+
+
+def test_dlsym_interposition(sandbox: Sandbox, tmp_path: Path) -> None:
+    """dlsym on a libcuda handle gives the wrapper only with a region; RTLD_NEXT
+    still means "after the caller"."""
+    source = tmp_path / "probe.c"
+    source.write_text(DLSYM_PROBE)
+    probe = tmp_path / "probe"
+    subprocess.run(["gcc", "-o", str(probe), str(source), "-ldl"], check=True)
+    sandbox.make_region(MiB)
+    wrapped = subprocess.run([str(probe)], env=sandbox.env(), capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    assert wrapped[0] == "next-malloc-is-libc 1"
+    assert wrapped[1].endswith("libcgpu.so")
+    assert wrapped[2].endswith("libcuda.so.1")
+    bare = subprocess.run([str(probe)], env=sandbox.env(CGPU_REGION=""), capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    assert bare[0] == "next-malloc-is-libc 1"
+    assert bare[1].endswith("libcuda.so.1"), "no region: the real driver's function"
