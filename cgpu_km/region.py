@@ -252,6 +252,45 @@ def local_alive(proc: ProcView) -> bool:
     return start is not None and (proc.start_time == 0 or start == proc.start_time)
 
 
+def _nspid(pid: str) -> int | None:
+    """The pid of a process in its own (innermost) pid namespace."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return None
+
+
+def host_liveness(proc_root: str = "/proc") -> Callable[[ProcView], bool]:
+    """A predicate for `Region.reclaim` that sees into every pid namespace.
+
+    One scan of /proc (the daemon runs on the host): a slot is alive when a
+    running process has its pid-namespace inode, its pid in that namespace
+    and its start time. Slots without a namespace inode fall back to
+    `local_alive`."""
+    running: set[tuple[int, int, int]] = set()
+    for entry in os.scandir(proc_root):
+        if not entry.name.isdigit():
+            continue
+        try:
+            pidns = os.stat(f"{proc_root}/{entry.name}/ns/pid").st_ino
+            inner = _nspid(entry.name)
+            start = proc_start_time(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+        if inner is not None and start is not None:
+            running.add((pidns, inner, start))
+    by_pid = {(ns, pid) for ns, pid, _ in running}
+
+    def alive(view: ProcView) -> bool:
+        if view.pidns == 0:
+            return local_alive(view)
+        if view.start_time == 0:
+            return (view.pidns, view.pid) in by_pid
+        return (view.pidns, view.pid, view.start_time) in running
+
+    return alive
+
+
 # ---- the region ------------------------------------------------------------
 
 def _encode(text: str, size: int, what: str) -> bytes:

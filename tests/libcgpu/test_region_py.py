@@ -162,3 +162,25 @@ def test_region_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert region_mod.region_path("abc") == tmp_path / "abc.region"
     monkeypatch.delenv(region_mod.REGION_DIR_ENV)
     assert region_mod.region_path("abc") == Path("/run/cgpu_km-regions/abc.region")
+
+
+def test_host_liveness_sees_processes_by_namespace(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = region_mod.proc_start_time(sleeper.pid)
+        assert start is not None
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+        with make(tmp_path) as r:
+            fill_slot(r, 0, sleeper.pid, start, 10)
+            fill_slot(r, 1, sleeper.pid, start + 1, 20)  # another process, long gone
+            r._layout.proc[0].pidns = pidns
+            r._layout.proc[1].pidns = pidns
+            assert r.reclaim(region_mod.host_liveness()) == [sleeper.pid]
+            assert r.usage(0) == 10
+            sleeper.kill()
+            sleeper.wait()
+            assert r.reclaim(region_mod.host_liveness()) == [sleeper.pid]
+            assert r.usage(0) == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
