@@ -39,7 +39,6 @@ static struct {
     __typeof__(&cuDeviceGet) deviceGet;
     __typeof__(&cuDevicePrimaryCtxRetain) primaryRetain;
     __typeof__(&cuCtxSetCurrent) ctxSetCurrent;
-    __typeof__(&cuCtxCreate_v2) ctxCreate;
     __typeof__(&cuMemAlloc_v2) memAlloc;
     __typeof__(&cuMemAllocPitch_v2) memAllocPitch;
     __typeof__(&cuMemFree_v2) memFree;
@@ -74,7 +73,6 @@ static void bind_exported(void)
     api.deviceGet = cuDeviceGet;
     api.primaryRetain = cuDevicePrimaryCtxRetain;
     api.ctxSetCurrent = cuCtxSetCurrent;
-    api.ctxCreate = cuCtxCreate_v2;
     api.memAlloc = cuMemAlloc_v2;
     api.memAllocPitch = cuMemAllocPitch_v2;
     api.memFree = cuMemFree_v2;
@@ -125,7 +123,6 @@ static void bind_getproc(void)
     api.deviceGet = getproc("cuDeviceGet");
     api.primaryRetain = getproc("cuDevicePrimaryCtxRetain");
     api.ctxSetCurrent = getproc("cuCtxSetCurrent");
-    api.ctxCreate = getproc("cuCtxCreate");
     api.memAlloc = getproc("cuMemAlloc");
     api.memAllocPitch = getproc("cuMemAllocPitch");
     api.memFree = getproc("cuMemFree");
@@ -150,7 +147,7 @@ static void bind_getproc(void)
     api.beginCapture = getproc("cuStreamBeginCapture");
     api.endCapture = getproc("cuStreamEndCapture");
     api.streamCreate = getproc("cuStreamCreate");
-    api.graphInstantiate = getproc("cuGraphInstantiate");
+    api.graphInstantiate = getproc("cuGraphInstantiateWithFlags");
     api.graphLaunch = getproc("cuGraphLaunch");
 }
 
