@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 BARRIER_TIMEOUT = 300.0  # seconds a worker waits for the coordinator before giving up
+NOTES: dict[str, Any] = {}  # what the worker wants recorded with its next result
 
 
 class PhaseError(RuntimeError):
@@ -82,7 +83,7 @@ def measure(sync: Path, index: int, name: str, batch: int, step: Callable[[], No
     rate = (steps - 1) / span if span > 0 else 0.0
     write_json(sync / f"result-{index}-{name}", {
         "pid": os.getpid(), "batch": batch, "steps": steps, "span": span,
-        "steps_per_s": rate, "images_per_s": rate * batch,
+        "steps_per_s": rate, "images_per_s": rate * batch, **NOTES,
     })
 
 

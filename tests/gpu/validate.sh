@@ -66,6 +66,7 @@ if [ "$SIMULATE" = 1 ]; then BUDGET=${CGPU_VALIDATE_BUDGET:-240}; else BUDGET=${
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 broken() { log "BROKEN: $*"; exit 2; }
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
+is_mounted() { grep -qs " $1 " /proc/mounts; }
 
 TREE_PID=""
 DAEMON_PID=""
@@ -83,7 +84,7 @@ cleanup() {
     if [ -n "$DAEMON_PID" ]; then
         timeout 10 tail --pid="$DAEMON_PID" -f /dev/null 2>/dev/null || kill -KILL "$DAEMON_PID" 2>/dev/null
     fi
-    if [ -n "$FUSE_ROOT" ] && mountpoint -q "$FUSE_ROOT" 2>/dev/null; then
+    if [ -n "$FUSE_ROOT" ] && is_mounted "$FUSE_ROOT"; then
         fusermount -u "$FUSE_ROOT" 2>/dev/null || fusermount -u -z "$FUSE_ROOT" 2>/dev/null || umount -l "$FUSE_ROOT" 2>/dev/null
     fi
     if [ -n "$TREE_PID" ]; then
@@ -235,7 +236,7 @@ start_fuse() {
     TREE_PID=$!
     FUSE_ROOT=$ROOT
     for _ in $(seq 100); do
-        mountpoint -q "$ROOT" 2>/dev/null && [ -e "$ROOT/inst_ctl" ] && return 0
+        is_mounted "$ROOT" && [ -e "$ROOT/inst_ctl" ] && return 0
         kill -0 "$TREE_PID" 2>/dev/null || break
         sleep 0.1
     done
@@ -292,7 +293,8 @@ log "cgpu-daemon running (pid $DAEMON_PID, period 0.05 s)"
 WINDOW=${VALIDATE_WINDOW:-10}
 WARMUP=${VALIDATE_WARMUP:-3}
 PHASES=$(( $(echo "${VALIDATE_BATCHES:-1,16,32,64,128}" | tr ',' '\n' | grep -c .) * $(echo "${VALIDATE_POLICIES:-2,1,5}" | tr ',' '\n' | grep -c .) ))
-per_phase=$(awk -v w="$WINDOW" -v u="$WARMUP" 'BEGIN { printf "%d", w + u + 20 }')
+per_phase=$("$PY" -c 'import sys; print(int(float(sys.argv[1]) + float(sys.argv[2])) + 20)' "$WINDOW" "$WARMUP") \
+    || broken "VALIDATE_WINDOW and VALIDATE_WARMUP must be numbers of seconds"
 FAILED_SECTIONS=""
 run_section() {  # run_section NAME TIMEOUT
     local name=$1 limit=$2 remaining rc
