@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +54,7 @@ from cgpu_km.daemon_io import (
     ProcessMemory,
     QuickView,
     Tree,
+    Watcher,
 )
 from cgpu_km.gpus import GpuInfo
 from cgpu_km.sched import ContainerSpec, GateDecision, GateScheduler, GpuConfig
@@ -78,12 +79,15 @@ class Settings:
     """Timing knobs (seconds)."""
 
     period: float = 0.05
-    tree_refresh: float = 1.0
+    tree_refresh: float = 5.0  # poll of the GPU nodes while inotify watches the tree
+    full_refresh: float = 30.0  # every container's nodes, in case a change was missed
     memory_interval: float = 0.5
-    publish_interval: float = 1.0
+    publish_interval: float = 2.0  # snapshot for cgpu-smi and /metrics
+    save_interval: float = 5.0  # state file (also written on exit and before a hot update)
 
     def __post_init__(self) -> None:
-        for name in ("period", "tree_refresh", "memory_interval", "publish_interval"):
+        for name in ("period", "tree_refresh", "full_refresh", "memory_interval",
+                     "publish_interval", "save_interval"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
@@ -98,14 +102,28 @@ def gpu_config(nodes: GpuNodes, specs: Mapping[str, ContainerSpec]) -> GpuConfig
     )
 
 
+GpuSample = tuple[dict[str, float], set[str]]  # one GPU's usage and active containers
+_NOTHING: GpuSample = ({}, set())
+
+
+def split_by_gpu(sample: PlaneSample) -> dict[int, GpuSample]:
+    """A plane sample cut into one (usage, active) pair per GPU."""
+    per_gpu: dict[int, GpuSample] = {}
+    for (gpu, name), used in sample.usage.items():
+        per_gpu.setdefault(gpu, ({}, set()))[0][name] = used
+    for gpu, name in sample.active:
+        per_gpu.setdefault(gpu, ({}, set()))[1].add(name)
+    return per_gpu
+
+
 @dataclass
 class GpuState:
     """One GPU's live state: its scheduler and what it decided last."""
 
     index: int
     scheduler: GateScheduler
-    samples: trio.MemorySendChannel[tuple[float, PlaneSample]]
-    inbox: trio.MemoryReceiveChannel[tuple[float, PlaneSample]]
+    samples: trio.MemorySendChannel[tuple[float, GpuSample]]
+    inbox: trio.MemoryReceiveChannel[tuple[float, GpuSample]]
     decision: GateDecision | None = None
     ticks: int = 0
 
@@ -165,6 +183,7 @@ class Daemon:
         self._saved_state: dict[str, Any] | None = None
         self._gpu_nursery: trio.Nursery | None = None
         self._tree_error: str | None = None
+        self.watcher: Watcher | None = None
         self.gpu_info = dict(gpu_info or {})
         self.version = ""
         self.publish = publish
@@ -179,37 +198,48 @@ class Daemon:
 
     # -- the tree ------------------------------------------------------------
 
-    async def _read_full(self) -> None:
-        view = await self._blocking(self.tree.read)
-        nodes: dict[int, GpuNodes] = {}
-        specs: dict[Key, ContainerSpec] = {}
-        memsize: dict[Key, int] = {}
-        ids: dict[Key, int] = {}
-        self.version = view.version
-        for gpu in view.gpus:
-            nodes[gpu.index] = GpuNodes(
-                policy=gpu.policy, max_inst=gpu.max_inst, prio_ratio=gpu.prio_ratio,
-                containers=frozenset(gpu.containers),
-            )
-            for name, ctr in gpu.containers.items():
-                specs[gpu.index, name] = ContainerSpec(
-                    weight=ctr.weight, highprio=bool(ctr.highprio), util_limit=ctr.util_limit
-                )
-                memsize[gpu.index, name] = ctr.memsize
-                ids[gpu.index, name] = ctr.id
-        self.view = DaemonView(nodes=nodes, specs=specs, memsize=memsize, ids=ids)
-        await self._blocking(partial(self.plane.attach, view))
+    async def _read_container(self, gpu: int, name: str) -> bool:
+        """Read one container's nodes into the view; False when it is gone."""
+        try:
+            nodes = await self._blocking(partial(self.tree.read_container, gpu, name))
+        except FileNotFoundError:
+            return False
+        self.view.specs[gpu, name] = ContainerSpec(
+            weight=nodes.weight, highprio=bool(nodes.highprio), util_limit=nodes.util_limit
+        )
+        self.view.memsize[gpu, name] = nodes.memsize
+        self.view.ids[gpu, name] = nodes.id
+        return True
+
+    async def _refresh(self, quick: QuickView, *, every_container: bool = False) -> None:
+        """Merge a quick read: read the containers that appeared (or all of them),
+        forget those that left, reattach the regions, apply."""
+        old = self.view.nodes
+        self.view.nodes = dict(quick.gpus)
+        came_or_went = set(old) != set(quick.gpus) or any(
+            old[g].containers != quick.gpus[g].containers for g in quick.gpus
+        )
+        for gpu, nodes in quick.gpus.items():
+            known = old[gpu].containers if gpu in old else frozenset()
+            for name in sorted(nodes.containers if every_container
+                               else nodes.containers - known):
+                await self._read_container(gpu, name)
+        present = {(g, n) for g, nodes in quick.gpus.items() for n in nodes.containers}
+        for table in (self.view.specs, self.view.memsize, self.view.ids):
+            for key in set(table) - present:
+                del table[key]
+        if came_or_went or every_container:
+            names = {g: set(nodes.containers) for g, nodes in quick.gpus.items()}
+            await self._blocking(partial(self.plane.attach, names))
+            if self.watcher is not None:
+                self.watcher.sync(self.view.nodes)
         self._apply()
 
-    def _merge_quick(self, quick: QuickView) -> bool:
-        """Take the polled nodes; True when containers came or went (full read needed)."""
-        changed = set(quick.gpus) != set(self.view.nodes) or any(
-            quick.gpus[g].containers != self.view.nodes[g].containers for g in quick.gpus
-        )
-        if not changed and quick.gpus != self.view.nodes:
-            self.view.nodes = dict(quick.gpus)
-            self._apply()
-        return changed
+    async def _read_all(self) -> None:
+        """Every node of the tree (start, SIGHUP, and the slow safety sweep)."""
+        quick = await self._blocking(partial(self.tree.read_quick, True))
+        self.version = quick.version
+        await self._refresh(quick, every_container=True)
 
     def _apply(self) -> None:
         """Push the view into the GPU schedulers, creating or dropping GPUs."""
@@ -220,7 +250,7 @@ class Daemon:
             config = self.view.config(index)
             state = self.gpus.get(index)
             if state is None:
-                send, receive = trio.open_memory_channel[tuple[float, PlaneSample]](1)
+                send, receive = trio.open_memory_channel[tuple[float, GpuSample]](1)
                 scheduler = GateScheduler(config, period=self.settings.period)
                 saved = (self._saved_state or {}).get("gpus", {}).get(str(index))
                 if saved:
@@ -234,33 +264,80 @@ class Daemon:
 
     async def _serve_tree(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
+        """Read the tree, then follow it: watched changes at once, a poll of the
+        GPU nodes every `tree_refresh` and of every container's nodes every
+        `full_refresh`; without a watcher, every period and every `tree_refresh`."""
         period = self.settings.period
         while True:
             try:
-                await self._read_full()
+                await self._read_all()
                 break
             except OSError as error:
                 self._note_tree_error(error)
                 await trio.sleep(period)
         self._note_tree_ok()
         await self._finish_upgrade_if_restarted()
-        task_status.started()
-        next_full = trio.current_time() + self.settings.tree_refresh
-        deadline = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            if self.watcher is not None:
+                nursery.start_soon(self._serve_watch, self.watcher)
+            task_status.started()
+            # Without a watcher: GPU nodes every period, containers every tree_refresh.
+            watching = self.watcher is not None
+            poll = self.settings.tree_refresh if watching else period
+            full = self.settings.full_refresh if watching else self.settings.tree_refresh
+            next_full = trio.current_time() + full
+            deadline = trio.current_time()
+            while True:
+                deadline += poll
+                await trio.sleep_until(deadline)
+                try:
+                    if trio.current_time() >= next_full:
+                        next_full = trio.current_time() + full
+                        await self._read_all()
+                    else:
+                        await self._poll()
+                    self._note_tree_ok()
+                except OSError as error:
+                    self._note_tree_error(error)
+
+    async def _poll(self) -> None:
+        quick = await self._blocking(self.tree.read_quick)
+        await self._refresh(quick)
+        if quick.upgrade == 1 and self.restart is not None and not self.upgrading:
+            await self._upgrade()
+
+    async def _poll_names(self) -> None:
+        names = await self._blocking(self.tree.read_names)
+        if set(names) != set(self.view.nodes):
+            await self._poll()
+            return
+        if all(names[g] == self.view.nodes[g].containers for g in names):
+            return
+        await self._refresh(QuickView(upgrade=0, gpus={
+            g: replace(nodes, containers=names[g]) for g, nodes in self.view.nodes.items()
+        }))
+
+    async def _serve_watch(self, watcher: Watcher) -> None:
+        """Apply written nodes as soon as the tree says they were written."""
         while True:
-            deadline += period
-            await trio.sleep_until(deadline)
+            await trio.lowlevel.wait_readable(watcher.fileno())
+            changes = watcher.changes()
             try:
-                quick = await self._blocking(self.tree.read_quick)
-                if self._merge_quick(quick) or trio.current_time() >= next_full:
-                    await self._read_full()
-                    next_full = trio.current_time() + self.settings.tree_refresh
-                self._note_tree_ok()
+                if any(c.name is None and c.node != "inst_ctl" for c in changes):
+                    await self._poll()  # a GPU node or upgrade: rare, read them all
+                elif any(c.node == "inst_ctl" for c in changes):
+                    # Containers may have come or gone; most often it is only our
+                    # own meminfo feed, so list the names, nothing more.
+                    await self._poll_names()
+                changed = {(c.gpu, c.name) for c in changes
+                           if c.gpu is not None and c.name is not None}
+                for gpu, name in sorted(changed):
+                    if (gpu, name) in self.view.specs:
+                        await self._read_container(gpu, name)
+                if changed:
+                    self._apply()
             except OSError as error:
                 self._note_tree_error(error)
-                continue
-            if quick.upgrade == 1 and self.restart is not None and not self.upgrading:
-                await self._upgrade()
 
     def _note_tree_error(self, error: OSError) -> None:
         message = f"cannot read the control tree: {error}"
@@ -277,7 +354,7 @@ class Daemon:
         """SIGHUP: re-read the whole tree and reattach the regions."""
         self.notifier.reloading(time.monotonic_ns() // 1000)
         try:
-            await self._read_full()
+            await self._read_all()
             log.info("reloaded: %d GPUs, %d containers", len(self.view.nodes), len(self.view.specs))
         except OSError as error:
             self._note_tree_error(error)
@@ -291,23 +368,27 @@ class Daemon:
         task_status.started()
         deadline = trio.current_time()
         while True:
-            sample = await self._blocking(self.plane.sample)
+            sample = await self._blocking(self._sample_and_beat)
             taken = trio.current_time()  # as close to the measurement as this loop gets
             for key, used in sample.usage.items():
                 self.usage_start.setdefault(key, used)
-            for state in list(self.gpus.values()):
+            per_gpu = split_by_gpu(sample)
+            for index, state in list(self.gpus.items()):
                 with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                    state.samples.send_nowait((taken, sample))
+                    state.samples.send_nowait((taken, per_gpu.get(index, _NOTHING)))
             await trio.lowlevel.checkpoint()  # let the schedulers take it before it is replaced
             self.last_sample = sample
-            await self._blocking(self.plane.heartbeat)
             deadline += self.settings.period
             await trio.sleep_until(deadline)
 
+    def _sample_and_beat(self) -> PlaneSample:
+        """One trip to the worker thread per period: measure, then stamp the heartbeat."""
+        sample = self.plane.sample()
+        self.plane.heartbeat()
+        return sample
+
     async def _serve_gpu(self, state: GpuState) -> None:
-        async for now, sample in state.inbox:
-            usage = {n: u for (g, n), u in sample.usage.items() if g == state.index}
-            active = {n for (g, n) in sample.active if g == state.index}
+        async for now, (usage, active) in state.inbox:
             decision = state.scheduler.step(now, usage, active)
             if state.decision is None or decision.open != state.decision.open:
                 await self._blocking(partial(self.plane.set_gates, state.index, decision.open))
@@ -478,6 +559,7 @@ class Daemon:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
+        next_save = trio.current_time() + self.settings.save_interval
         while True:
             if self.publish is not None:
                 try:
@@ -485,10 +567,12 @@ class Daemon:
                 except OSError as error:
                     log.warning("cannot publish the snapshot: %s", error)
             await trio.sleep(self.settings.publish_interval)
-            try:
-                self.save_state()
-            except OSError as error:
-                log.warning("cannot save state: %s", error)
+            if trio.current_time() >= next_save:
+                next_save = trio.current_time() + self.settings.save_interval
+                try:
+                    self.save_state()
+                except OSError as error:
+                    log.warning("cannot save state: %s", error)
 
     async def _serve_watchdog(self, interval: float) -> None:
         while True:
@@ -528,6 +612,7 @@ class Daemon:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every service, report READY, and run until cancelled; fail open on the way out."""
         self.load_state()
+        self.watcher = self.tree.watcher()
         try:
             async with trio.open_nursery() as services:
                 await services.start(self._serve_tree)
@@ -543,6 +628,9 @@ class Daemon:
                 log.info("running: %s, period %.3f s", self._status(), self.settings.period)
                 task_status.started()
         finally:
+            if self.watcher is not None:
+                self.watcher.close()
+                self.watcher = None
             if not self.upgrading:
                 self.notifier.stopping()
                 self.shutdown()
@@ -597,7 +685,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--period", type=float, default=Settings.period,
                         help="scheduling period in seconds (default %(default)s)")
     parser.add_argument("--tree-refresh", type=float, default=Settings.tree_refresh,
-                        help="seconds between full re-reads of every container's nodes")
+                        help="seconds between polls of the GPU nodes while inotify watches "
+                        "the tree (without inotify: every period)")
+    parser.add_argument("--full-refresh", type=float, default=Settings.full_refresh,
+                        help="seconds between re-reads of every container's nodes")
     parser.add_argument("--metrics-listen", "--metrics", dest="metrics", default="off",
                         metavar="HOST:PORT", help="serve Prometheus /metrics on HOST:PORT "
                         "([::1]:PORT for IPv6), or 'off' (default; the service uses "
@@ -637,7 +728,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="cgpu-daemon: %(message)s", stream=sys.stderr,
     )
     try:
-        settings = Settings(period=args.period, tree_refresh=args.tree_refresh)
+        settings = Settings(period=args.period, tree_refresh=args.tree_refresh,
+                            full_refresh=args.full_refresh)
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
         return 2

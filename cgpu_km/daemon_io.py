@@ -3,7 +3,9 @@
 The daemon's logic (cgpu_km/daemon.py) only talks to these two objects, so
 tests inject fakes and run it in trio's mock time:
 
-- `Tree`: the control tree (`cgpu_km.treefs` over /proc/cgpu_km or FUSE).
+- `Tree`: the control tree (/proc/cgpu_km or FUSE), read node by node with
+  one open/read/close each (every read is a round trip through FUSE), plus
+  an optional `Watcher` (inotify) that says which nodes were written.
 - `Plane`: the data plane: per-container GPU time and activity, the gates,
   the heartbeat, per-process memory from NVML, and stopping processes that
   are over their memory limit. Its calls block (NVML, file I/O); the daemon
@@ -12,9 +14,11 @@ tests inject fakes and run it in trio's mock time:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import struct
 import subprocess
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
@@ -22,11 +26,12 @@ from pathlib import Path
 from typing import Protocol
 
 from cgpu_km import treefs
-from cgpu_km.treefs import TreeView
+from cgpu_km.nodes import NODES_BY_LEVEL, Level
 
 log = logging.getLogger("cgpu-daemon")
 
 Key = tuple[int, str]  # (host GPU index, container name)
+_GPU_NODES = frozenset(NODES_BY_LEVEL[Level.GPU])
 
 
 @dataclass(frozen=True)
@@ -43,20 +48,64 @@ class GpuNodes:
 class QuickView:
     upgrade: int
     gpus: Mapping[int, GpuNodes]
+    version: str = ""  # only read on request (it never changes under a running tree)
+
+
+@dataclass(frozen=True)
+class ContainerNodes:
+    """The container nodes the daemon uses."""
+
+    id: int
+    memsize: int
+    weight: int
+    highprio: int
+    util_limit: int
+
+
+CONTAINER_NODES = ("id", "memsize", "weight", "highprio", "util_limit")
+
+
+@dataclass(frozen=True)
+class Change:
+    """A node written: `gpu`/`name` say where (gpu None: the root's `node`;
+    name None: a GPU node)."""
+
+    gpu: int | None = None
+    name: str | None = None
+    node: str | None = None  # for the root: "inst_ctl" or "upgrade"
+
+
+class Watcher(Protocol):
+    def fileno(self) -> int:
+        """Readable when changes are pending."""
+
+    def sync(self, gpus: Mapping[int, GpuNodes]) -> None:
+        """Watch the nodes of these GPUs and containers (and the root's); forget others."""
+
+    def changes(self) -> list[Change]:
+        """The changes since the last call (non-blocking)."""
+
+    def close(self) -> None: ...
 
 
 class Tree(Protocol):
-    def read(self) -> TreeView:
-        """The whole tree (every container's nodes)."""
-
-    def read_quick(self) -> QuickView:
+    def read_quick(self, version: bool = False) -> QuickView:
         """`upgrade`, and per GPU the policy nodes and the container names."""
+
+    def read_container(self, gpu: int, name: str) -> ContainerNodes:
+        """One container's nodes; FileNotFoundError when it is gone."""
+
+    def read_names(self) -> dict[int, frozenset[str]]:
+        """Only the container names per GPU (cheap: one listing per GPU)."""
 
     def feed_meminfo(self, gpu: int, name: str, procs: Mapping[int, int]) -> None:
         """Replace a container's per-process memory (`meminfo` command)."""
 
     def finish_upgrade(self) -> None:
         """Write 0 to `upgrade`."""
+
+    def watcher(self) -> Watcher | None:
+        """A change watcher for this tree, or None (then the daemon polls every period)."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +127,8 @@ class ProcessMemory:
 
 
 class Plane(Protocol):
-    def attach(self, tree: TreeView) -> None:
-        """(Re)discover the regions of the tree's containers; forget removed ones."""
+    def attach(self, containers: Mapping[int, Set[str]]) -> None:
+        """(Re)discover the regions of these containers (by GPU); forget the others."""
 
     def sample(self) -> PlaneSample:
         """Usage and activity now (blocking)."""
@@ -100,31 +149,49 @@ class Plane(Protocol):
         """Stop processes over their container's limit (OOM script first in eGPU mode)."""
 
 
+def read_number(path: str) -> int:
+    """One node as an integer: a single open/read/close (three FUSE round trips)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return int(os.read(fd, 64))
+    finally:
+        os.close(fd)
+
+
 class FsTree:
-    """`Tree` over the real control tree through `cgpu_km.treefs`."""
+    """`Tree` over the real control tree (/proc/cgpu_km or the FUSE mount)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def read(self) -> TreeView:
-        return treefs.read_tree(self.root)
-
-    def read_quick(self) -> QuickView:
+    def read_quick(self, version: bool = False) -> QuickView:
         gpus: dict[int, GpuNodes] = {}
-        for entry in os.scandir(self.root):
-            if not entry.name.isdigit():
+        top = str(self.root)
+        for entry in os.listdir(top):
+            if not entry.isdigit():
                 continue
-            directory = Path(entry.path)
-            names = frozenset(
-                e.name for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)
-            )
-            gpus[int(entry.name)] = GpuNodes(
-                policy=treefs.read_int(directory / "policy"),
-                max_inst=treefs.read_int(directory / "max_inst"),
-                prio_ratio=treefs.read_int(directory / "prio_ratio"),
+            directory = f"{top}/{entry}"
+            # Everything that is not a GPU-level node is a container (no stat per entry).
+            names = frozenset(os.listdir(directory)) - _GPU_NODES
+            gpus[int(entry)] = GpuNodes(
+                policy=read_number(f"{directory}/policy"),
+                max_inst=read_number(f"{directory}/max_inst"),
+                prio_ratio=read_number(f"{directory}/prio_ratio"),
                 containers=names,
             )
-        return QuickView(upgrade=treefs.read_int(self.root / "upgrade"), gpus=gpus)
+        text = (self.root / "version").read_text().strip() if version else ""
+        return QuickView(upgrade=read_number(f"{top}/upgrade"), gpus=gpus, version=text)
+
+    def read_names(self) -> dict[int, frozenset[str]]:
+        top = str(self.root)
+        return {
+            int(entry): frozenset(os.listdir(f"{top}/{entry}")) - _GPU_NODES
+            for entry in os.listdir(top) if entry.isdigit()
+        }
+
+    def read_container(self, gpu: int, name: str) -> ContainerNodes:
+        directory = f"{self.root}/{gpu}/{name}"
+        return ContainerNodes(*(read_number(f"{directory}/{node}") for node in CONTAINER_NODES))
 
     def feed_meminfo(self, gpu: int, name: str, procs: Mapping[int, int]) -> None:
         pairs = " ".join(f"{pid}={size}" for pid, size in sorted(procs.items()))
@@ -133,6 +200,85 @@ class FsTree:
     def finish_upgrade(self) -> None:
         treefs.write_node(self.root, "upgrade", 0)
 
+    def watcher(self) -> Watcher | None:
+        try:
+            return InotifyWatcher(self.root)
+        except OSError as error:
+            log.warning("no inotify on %s (%s): polling the tree every period", self.root, error)
+            return None
+
+
+_IN_MODIFY = 0x002
+_IN_CLOSE_WRITE = 0x008
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = os.O_CLOEXEC
+_EVENT = struct.Struct("iIII")
+
+
+class InotifyWatcher:
+    """inotify on the tree's writable nodes and `inst_ctl` (writes through the VFS
+    raise events on FUSE and procfs alike; what the module changes by itself,
+    the daemon's periodic poll still sees)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        fd = self._libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, os.strerror(errno))
+        self._fd = int(fd)
+        self._by_wd: dict[int, Change] = {}
+        self._by_path: dict[str, int] = {}
+        for node in ("upgrade", "inst_ctl"):
+            self._add(f"{root}/{node}", Change(node=node))
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _add(self, path: str, change: Change) -> None:
+        if path in self._by_path:
+            return
+        wd = self._libc.inotify_add_watch(self._fd, path.encode(), _IN_MODIFY | _IN_CLOSE_WRITE)
+        if wd < 0:
+            return  # gone meanwhile: the next sync or poll catches up
+        self._by_path[path] = wd
+        self._by_wd[wd] = change
+
+    def sync(self, gpus: Mapping[int, GpuNodes]) -> None:
+        wanted: dict[str, Change] = {}
+        for index, nodes in gpus.items():
+            for node in ("policy", "max_inst", "prio_ratio"):
+                wanted[f"{self.root}/{index}/{node}"] = Change(index)
+            for name in nodes.containers:
+                for node in ("memsize", "weight", "highprio", "util_limit"):
+                    wanted[f"{self.root}/{index}/{name}/{node}"] = Change(index, name)
+        for path in [p for p in self._by_path
+                     if p not in wanted and self._by_wd[self._by_path[p]].gpu is not None]:
+            wd = self._by_path.pop(path)
+            self._by_wd.pop(wd, None)
+            self._libc.inotify_rm_watch(self._fd, wd)  # fails harmlessly if already gone
+        for path, change in wanted.items():
+            self._add(path, change)
+
+    def changes(self) -> list[Change]:
+        found: list[Change] = []
+        while True:
+            try:
+                data = os.read(self._fd, 65536)
+            except BlockingIOError:
+                return found
+            offset = 0
+            while offset < len(data):
+                wd, _mask, _cookie, length = _EVENT.unpack_from(data, offset)
+                offset += _EVENT.size + length
+                change = self._by_wd.get(wd)
+                if change is not None and change not in found:
+                    found.append(change)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
 
 class OpenPlane:
     """`Plane` that gates nothing and measures nothing (no regions, no NVML)."""
@@ -140,8 +286,8 @@ class OpenPlane:
     def __init__(self) -> None:
         self.names: dict[int, set[str]] = {}
 
-    def attach(self, tree: TreeView) -> None:
-        self.names = {g.index: set(g.containers) for g in tree.gpus}
+    def attach(self, containers: Mapping[int, Set[str]]) -> None:
+        self.names = {gpu: set(names) for gpu, names in containers.items()}
 
     def sample(self) -> PlaneSample:
         return PlaneSample(usage={}, active=set())

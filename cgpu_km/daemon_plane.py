@@ -9,7 +9,8 @@
   over their time stamps), memory per process from NVML's running
   processes; both are keyed by host pid and mapped to containers through
   the region's process slots (pid namespace inode + pid in it).
-- activity: launches blocked at the gate, or launches since the last sample.
+- activity: launches blocked at the gate, or launches since the last sample;
+  regions without processes are looked at every `FULL_SCAN_EVERY` samples.
 
 Every NVML failure for a field gives "unknown" for it, never an exception
 out of the daemon's loop (as gpustat does).
@@ -20,16 +21,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cgpu_km import region as region_mod
 from cgpu_km.daemon_io import Key, OpenPlane, Plane, PlaneSample, ProcessMemory, stop_processes
-from cgpu_km.treefs import TreeView
 
 log = logging.getLogger("cgpu-daemon")
+
+
+# Every this many samples all regions are scanned for processes; in between only
+# those that had processes (a new process in an idle container waits for a scan).
+FULL_SCAN_EVERY = 10
 
 
 def host_pid_identity(pid: int) -> tuple[int, int] | None:
@@ -75,8 +80,10 @@ class Nvml:
                 stamp = int(sample.timeStamp)
                 if stamp <= last:
                     continue
-                since = self._stamp.get(key, last)
-                if since and stamp > since:
+                # simgpu reports one sample per process covering [last, stamp];
+                # NVML may report several: each covers the time since the previous.
+                since = max(last, self._stamp.get(key, 0))
+                if last and stamp > since:
                     self._busy[key] = self._busy.get(key, 0.0) + (
                         int(sample.smUtil) / 100.0 * (stamp - since) / 1e6
                     )
@@ -116,11 +123,15 @@ class RegionPlane:
         self._launches: dict[Key, int] = {}
         self._usage: dict[Key, float] = {}
         self._pid_cache: dict[int, tuple[int, int] | None] = {}
+        self._with_procs: set[str] = set()
+        self._samples = 0
+        self._gate_wait: dict[Key, float] = {}
+        self._oom: dict[Key, int] = {}
 
     # -- regions --
 
-    def attach(self, tree: TreeView) -> None:
-        names = {name for gpu in tree.gpus for name in gpu.containers}
+    def attach(self, containers: Mapping[int, Set[str]]) -> None:
+        names = {name for gpu_names in containers.values() for name in gpu_names}
         for name in set(self.regions) - names:
             self.regions.pop(name).region.close()
         for name in names:
@@ -143,25 +154,30 @@ class RegionPlane:
                 known.region.close()
             self.regions[name] = _Attached(opened, inode)
         self.keys = {}
-        for gpu in tree.gpus:
-            for name in gpu.containers:
+        for gpu, gpu_names in containers.items():
+            for name in gpu_names:
                 attached = self.regions.get(name)
                 if attached is None:
                     continue
-                k = attached.region.gpu_for_host(gpu.index)
+                k = attached.region.gpu_for_host(gpu)
                 if k is not None:
-                    self.keys[gpu.index, name] = (attached.region, k)
+                    self.keys[gpu, name] = (attached.region, k)
 
-    def _pid_owners(self) -> dict[tuple[int, int], str]:
-        """(pidns, pid) -> container, from the live process slots of every region."""
-        owners: dict[tuple[int, int], str] = {}
-        for name, attached in self.regions.items():
-            for proc in attached.region.processes():
-                owners[proc.pidns, proc.pid] = name
-        return owners
+    def _processes(self, every: bool = True) -> dict[str, list[region_mod.ProcView]]:
+        """Live process slots of every region, or only of those that had some at the
+        last full scan (a region without processes costs nothing between scans)."""
+        names = list(self.regions) if every else [n for n in self._with_procs
+                                                  if n in self.regions]
+        procs = {name: self.regions[name].region.processes() for name in names}
+        if every:
+            self._with_procs = {name for name, views in procs.items() if views}
+        return procs
 
-    def _containers_of(self, by_gpu_pid: Set[tuple[int, int]]) -> dict[tuple[int, int], Key]:
-        owners = self._pid_owners()
+    def _containers_of(
+        self, by_gpu_pid: Set[tuple[int, int]], procs: dict[str, list[region_mod.ProcView]]
+    ) -> dict[tuple[int, int], Key]:
+        """(gpu, host pid) -> container, matching (pid namespace, pid) to the regions' slots."""
+        owners = {(p.pidns, p.pid): name for name, views in procs.items() for p in views}
         result: dict[tuple[int, int], Key] = {}
         for gpu, pid in by_gpu_pid:
             identity = self._pid_cache.get(pid)
@@ -181,7 +197,9 @@ class RegionPlane:
 
     def sample(self) -> PlaneSample:
         busy = self.nvml.busy_by_pid() if self.nvml is not None else {}
-        owners = self._containers_of(set(busy))
+        self._samples += 1
+        procs_by_name = self._processes(every=self._samples % FULL_SCAN_EVERY == 1)
+        owners = self._containers_of(set(busy), procs_by_name)
         usage: dict[Key, float] = {}
         for gpu_pid, seconds in busy.items():
             key = owners.get(gpu_pid)
@@ -191,19 +209,19 @@ class RegionPlane:
         for key, seconds in usage.items():
             self._usage[key] = max(self._usage.get(key, 0.0), seconds)
         active: set[Key] = set()
-        gate_wait: dict[Key, float] = {}
-        oom: dict[Key, int] = {}
-        for key, (region, k) in self.keys.items():
-            procs = region.processes()
+        for key, (_region, k) in self.keys.items():
+            procs = procs_by_name.get(key[1])
+            if procs is None:
+                continue  # no process at the last full scan: idle, figures unchanged
             launches = sum(p.launches[k] for p in procs)
             pending = sum(p.pending[k] for p in procs)
             if pending > 0 or launches != self._launches.get(key, launches):
                 active.add(key)
             self._launches[key] = launches
-            gate_wait[key] = sum(p.gate_wait_ns[k] for p in procs) / 1e9
-            oom[key] = sum(p.oom_refusals[k] for p in procs)
-        return PlaneSample(usage=dict(self._usage), active=active, gate_wait=gate_wait,
-                           oom_refusals=oom)
+            self._gate_wait[key] = sum(p.gate_wait_ns[k] for p in procs) / 1e9
+            self._oom[key] = sum(p.oom_refusals[k] for p in procs)
+        return PlaneSample(usage=dict(self._usage), active=active,
+                           gate_wait=dict(self._gate_wait), oom_refusals=dict(self._oom))
 
     def set_gates(self, gpu: int, open_: Set[str]) -> None:
         for (g, name), (region, k) in self.keys.items():
@@ -222,7 +240,7 @@ class RegionPlane:
         if self.nvml is None:
             return ProcessMemory(by_container={})
         by_pid, used = self.nvml.memory_by_pid()
-        owners = self._containers_of(set(by_pid))
+        owners = self._containers_of(set(by_pid), self._processes())
         by_container: dict[Key, dict[int, int]] = {key: {} for key in self.keys}
         for (gpu, pid), size in by_pid.items():
             key = owners.get((gpu, pid))

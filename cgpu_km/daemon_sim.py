@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
-from cgpu_km.daemon_io import GpuNodes, Key, PlaneSample, ProcessMemory, QuickView
+from cgpu_km.daemon_io import ContainerNodes, GpuNodes, Key, PlaneSample, ProcessMemory, QuickView
 from cgpu_km.sched_sim import EngineSim, SimProcess
-from cgpu_km.treefs import ContainerView, GpuView, TreeView
+from cgpu_km.treefs import ContainerView, GpuView
 
 
 @dataclass
@@ -43,19 +43,24 @@ class MemoryTree:
         if self.fail:
             raise OSError(107, "Transport endpoint is not connected")
 
-    def read(self) -> TreeView:
+    def read_container(self, gpu: int, name: str) -> ContainerNodes:
         self._check()
         self.reads += 1
-        copies = [
-            GpuView(g.index, g.policy, g.max_inst, g.prio_ratio, g.free_weight, g.major,
-                    {n: ContainerView(**vars(c)) for n, c in g.containers.items()})
-            for g in self.gpus
-        ]
-        return TreeView("0.1.0", 0, self.upgrade, copies)
+        found = self.gpus[gpu].containers.get(name)
+        if found is None:
+            raise FileNotFoundError(2, f"no container {name} on GPU {gpu}")
+        return ContainerNodes(found.id, found.memsize, found.weight, found.highprio,
+                              found.util_limit)
 
-    def read_quick(self) -> QuickView:
+    def read_names(self) -> dict[int, frozenset[str]]:
         self._check()
+        return {g.index: frozenset(g.containers) for g in self.gpus}
+
+    def read_quick(self, version: bool = False) -> QuickView:
+        self._check()
+        self.reads += 1
         return QuickView(
+            version="0.1.0" if version else "",
             upgrade=self.upgrade,
             gpus={
                 g.index: GpuNodes(g.policy, g.max_inst, g.prio_ratio, frozenset(g.containers))
@@ -73,6 +78,9 @@ class MemoryTree:
     def finish_upgrade(self) -> None:
         self._check()
         self.upgrade = 0
+
+    def watcher(self) -> None:
+        return None
 
 
 class SimPlane:
@@ -98,7 +106,7 @@ class SimPlane:
         self.all_open = False
         self.stopped: list[tuple[int, str, list[int]]] = []
         self.heartbeats = 0
-        self.attached: TreeView | None = None
+        self.attached: dict[int, set[str]] = {}
         self.gate_writes = 0
 
     def _advance(self) -> None:
@@ -107,8 +115,8 @@ class SimPlane:
             engine.run_until(now)
             engine.set_demand({n for (g, n) in self.demand if g == gpu})
 
-    def attach(self, tree: TreeView) -> None:
-        self.attached = tree
+    def attach(self, containers: Mapping[int, Set[str]]) -> None:
+        self.attached = {gpu: set(names) for gpu, names in containers.items()}
 
     def sample(self) -> PlaneSample:
         self._advance()

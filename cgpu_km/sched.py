@@ -254,7 +254,7 @@ class GateScheduler:
         self._accounts: dict[str, _Account] = {n: _Account() for n in config.containers}
         self._now: float | None = None
         self._active: frozenset[str] = frozenset()
-        self._allot = allotments(config, self._active)
+        self._set_allot()
 
     @property
     def config(self) -> GpuConfig:
@@ -279,7 +279,7 @@ class GateScheduler:
         self._accounts = accounts
         self._config = config
         self._active = self._active & frozenset(config.containers)
-        self._allot = allotments(config, self._active)
+        self._set_allot()
 
     def credits(self) -> dict[str, float]:
         """Share credit per container in seconds (negative: owes GPU time)."""
@@ -314,33 +314,40 @@ class GateScheduler:
 
         unused = 0.0
         for name, acc in self._accounts.items():
-            allot = self._allot[name]
-            acc.credit += float(allot.share) * dt - used[name]
-            acc.cap_credit += float(allot.cap) * dt - used[name]
+            share, cap = self._rates[name]
+            acc.credit += share * dt - used[name]
+            acc.cap_credit += cap * dt - used[name]
             if slack or name not in self._active:
                 # It had the chance (the GPU went idle) or no work: no banking.
-                burst = float(allot.share) * self.burst_window
+                burst = share * self.burst_window
                 if acc.credit > burst:
                     if name in self._active:
                         unused += acc.credit - burst
                     acc.credit = burst
-                acc.cap_credit = min(acc.cap_credit, float(allot.cap) * self.burst_window)
+                acc.cap_credit = min(acc.cap_credit, cap * self.burst_window)
         if lend and unused > 0:
             self._lend(unused)
 
-        self._active = frozenset(active) & frozenset(self._config.containers)
+        active_now = frozenset(active) & frozenset(self._config.containers)
+        if active_now != self._active:
+            self._active = active_now
+            self._set_allot()
+        return GateDecision(open=self._decide(slack), shares=self._shares, slack=slack)
+
+    def _set_allot(self) -> None:
+        """Recompute the allotments (exact) and their float rates for the accounting."""
         self._allot = allotments(self._config, self._active)
-        return GateDecision(
-            open=self._decide(slack), shares={n: a.share for n, a in self._allot.items()},
-            slack=slack,
-        )
+        self._shares: dict[str, Fraction] = {n: a.share for n, a in self._allot.items()}
+        self._rates: dict[str, tuple[float, float]] = {
+            n: (float(a.share), float(a.cap)) for n, a in self._allot.items()
+        }
 
     def _lend(self, unused: float) -> None:
         """Work conservation: credit that active containers left unused goes to the others."""
         takers = {
-            n: float(self._allot[n].share) for n in self._active
-            if self._allot[n].share > 0
-            and self._accounts[n].credit < float(self._allot[n].share) * self.burst_window
+            n: self._rates[n][0] for n in self._active
+            if self._rates[n][0] > 0
+            and self._accounts[n].credit < self._rates[n][0] * self.burst_window
         }
         total = sum(takers.values())
         for name, share in takers.items():
@@ -358,10 +365,19 @@ class GateScheduler:
         # is an offset of the credit, not a rate: long-run shares are the same.
         open_ = {
             n for n, acc in self._accounts.items()
-            if self._allot[n].share > 0
-            and acc.credit >= -float(self._allot[n].share) * self.period
-            and acc.cap_credit >= -float(self._allot[n].cap) * self.period
+            if self._rates[n][0] > 0
+            and acc.credit >= -self._rates[n][0] * self.period
+            and acc.cap_credit >= -self._rates[n][1] * self.period
         }
+        if self._config.policy.work_conserving:
+            # An idle container keeps its gate open while it owes nothing, so that
+            # its first launch does not wait a period; it is charged as usual and
+            # becomes active (with its share) at the next step.
+            open_ |= {
+                n for n, acc in self._accounts.items()
+                if n not in self._active and self._config.containers[n].weight > 0
+                and acc.credit >= 0 and acc.cap_credit >= 0
+            }
         preempting = {n for n in open_ if self._allot[n].preempts and n in self._active}
         if preempting and not slack:
             return frozenset(preempting)
@@ -395,4 +411,4 @@ class GateScheduler:
             last = saved.get("last_usage")
             acc.last_usage = None if last is None else float(last)
         self._active = frozenset(state.get("active", ())) & frozenset(self._config.containers)
-        self._allot = allotments(self._config, self._active)
+        self._set_allot()

@@ -92,11 +92,12 @@ class SimNode:
             proc.wait()
 
     def start_daemon(self, period: float = 0.02, *extra: str) -> None:
+        (self.state_dir / "snapshot.json").unlink(missing_ok=True)
         with (self.tmp / "daemon.log").open("ab") as log:
             self.daemon = subprocess.Popen(
                 [str(VENV_BIN / "cgpu-daemon"), "--root", str(self.root), "--state-dir",
                  str(self.state_dir), "--region-dir", str(self.region_dir), "--period",
-                 str(period), "--tree-refresh", "0.5", *extra],
+                 str(period), *extra],
                 env=self.env, stdout=log, stderr=log,
             )
         deadline = time.monotonic() + 30
@@ -129,13 +130,23 @@ class SimNode:
             shares[name] = sum(busy.get(p.pid, 0.0) for p in procs) / seconds
         return shares
 
-    def close(self) -> None:
+    def daemon_cpu_seconds(self) -> float:
+        """user+system CPU time the running daemon has used so far."""
+        assert self.daemon is not None
+        fields = Path(f"/proc/{self.daemon.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self, unregister: bool = False) -> None:
         for name in list(self.workloads):
             self.stop(name)
         if self.daemon is not None and self.daemon.poll() is None:
             self.kill_daemon(signal.SIGTERM)
-        for region in self.regions.values():
+        for name, region in self.regions.items():
             region.close()
+            if unregister:
+                treefs.inst_ctl(self.root, f"del {name}")
+                region_mod.Region.remove(region.path)
+        self.regions.clear()
 
 
 def meter(seconds: float, gpu: int, window: float = 0.1) -> dict[int, float]:

@@ -176,7 +176,7 @@ async def test_state_survives_a_restart(
     credits = first.gpus[0].scheduler.credits()
     second, _ = make_daemon(tree, plane, tmp_path)
     second.load_state()
-    await second._read_full()  # what `run` does first, before any period is charged
+    await second._read_all()  # what `run` does first, before any period is charged
     assert second.gpus[0].scheduler.credits() == pytest.approx(credits)
     assert second.gpus[0].scheduler.to_state()["accounts"] == saved["gpus"]["0"]["accounts"]
 

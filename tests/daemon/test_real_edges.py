@@ -1,0 +1,120 @@
+"""The daemon's real edges: the FUSE tree with inotify (changes act at once) and the regions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from cgpu_km import region as region_mod
+from cgpu_km import treefs
+from cgpu_km.daemon import Daemon, Settings
+from cgpu_km.daemon_io import Change, FsTree, InotifyWatcher
+from cgpu_km.daemon_plane import RegionPlane
+from cgpu_km.daemon_sim import SimPlane
+from cgpu_km.sched import Policy
+from cgpu_km.sched_sim import SimProcess
+
+
+def echo(root: Path, relpath: str, value: object) -> None:
+    (root / relpath).write_text(f"{value}\n")
+
+
+async def wait_until(predicate: Callable[[], bool]) -> float:
+    """Seconds until `predicate()` holds (checked every 5 ms), failing after 2 s."""
+    start = trio.current_time()
+    for _ in range(400):
+        if predicate():
+            return trio.current_time() - start
+        await trio.sleep(0.005)
+    raise AssertionError("condition not reached within 2 s")
+
+
+async def test_echo_acts_within_a_period_through_inotify(
+    control_tree: Path, tmp_path: Path
+) -> None:
+    treefs.inst_ctl(control_tree, "add 0 a weight=1")
+    plane = SimPlane(time.monotonic, {0: [SimProcess("a", 0.001)]})
+    settings = Settings(period=0.05, tree_refresh=60, full_refresh=60)
+    daemon = Daemon(FsTree(control_tree), plane, state_dir=tmp_path, settings=settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        assert daemon.watcher is not None
+        scheduler = daemon.gpus[0].scheduler
+        await trio.to_thread.run_sync(echo, control_tree, "0/policy", 2)
+        took = await wait_until(lambda: scheduler.config.policy is Policy.WEIGHTED)
+        assert took < 0.5  # not the 60 s poll; on a quiet host, a few ms
+        await trio.to_thread.run_sync(echo, control_tree, "0/a/weight", 5)
+        await wait_until(lambda: scheduler.config.containers["a"].weight == 5)
+        await trio.to_thread.run_sync(treefs.inst_ctl, control_tree, "add 1 b highprio=1")
+        await wait_until(lambda: 1 in daemon.gpus and "b" in daemon.gpus[1].scheduler.config
+                         .containers)
+        assert daemon.gpus[1].scheduler.config.containers["b"].highprio
+        await trio.to_thread.run_sync(treefs.inst_ctl, control_tree, "del b")
+        await wait_until(lambda: "b" not in daemon.gpus[1].scheduler.config.containers)
+        nursery.cancel_scope.cancel()
+
+
+def test_watcher_names_what_was_written(control_tree: Path) -> None:
+    treefs.inst_ctl(control_tree, "add 0 a")
+    watcher = InotifyWatcher(control_tree)
+    try:
+        view = FsTree(control_tree).read_quick()
+        watcher.sync(view.gpus)
+        echo(control_tree, "0/a/util_limit", 30)
+        echo(control_tree, "1/prio_ratio", 50)
+        time.sleep(0.05)
+        assert set(watcher.changes()) == {Change(0, "a"), Change(1)}
+        treefs.inst_ctl(control_tree, "add 1 z")
+        time.sleep(0.05)
+        assert watcher.changes() == [Change(node="inst_ctl")]
+        assert watcher.changes() == []
+    finally:
+        watcher.close()
+
+
+def test_region_plane_drives_gates_and_heartbeat(tmp_path: Path) -> None:
+    for name, host in (("a", 0), ("b", 1)):
+        region_mod.Region.create(region_mod.region_path(name, tmp_path), name,
+                                 [region_mod.GpuSpec(0, "", host, 0)]).close()
+    plane = RegionPlane(tmp_path, nvml=None)
+    plane.attach({0: {"a", "missing"}, 1: {"b"}})
+    assert set(plane.keys) == {(0, "a"), (1, "b")}
+    plane.set_gates(0, set())
+    plane.heartbeat()
+    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+        assert not a.gate_is_open(0)
+        assert a.heartbeat_ns > 0
+        plane.set_gates(0, {"a"})
+        assert a.gate_is_open(0)
+        plane.set_gates(0, set())
+        plane.open_all()
+        assert a.gate_is_open(0)
+    sample = plane.sample()
+    assert sample.active == set()  # no process has launched anything
+    # A replaced region file (container restarted) is reopened on the next attach.
+    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
+                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
+    plane.attach({0: {"a"}})
+    plane.set_gates(0, set())
+    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+        assert not a.gate_is_open(0)
+    assert set(plane.keys) == {(0, "a")}
+
+
+@pytest.mark.parametrize("control_tree", [2], indirect=True)
+def test_fstree_reads_what_echo_wrote(control_tree: Path) -> None:
+    treefs.inst_ctl(control_tree, "add 1 c memsize=4096 weight=3 util_limit=20")
+    tree = FsTree(control_tree)
+    quick = tree.read_quick(version=True)
+    assert quick.version
+    assert quick.gpus[1].containers == {"c"}
+    nodes = tree.read_container(1, "c")
+    assert (nodes.memsize, nodes.weight, nodes.util_limit, nodes.highprio) == (4096, 3, 20, 0)
+    tree.feed_meminfo(1, "c", {77: 1000})
+    assert "PID: 77 Mem: 1000" in (control_tree / "1" / "c" / "meminfo").read_text()
+    with pytest.raises(FileNotFoundError):
+        tree.read_container(0, "c")
