@@ -16,7 +16,7 @@ under a timeout. Everything comes from the environment it sets:
 | VALIDATE_OVERHEAD_BATCH | batch of the overhead runs (64) |
 | VALIDATE_MEM_LIMIT | memory section's limit, bytes (8 GiB) |
 | VALIDATE_CTX_BYTES | bytes cgpu-run charges per context (real mode: 1 GiB, an overestimate) |
-| VALIDATE_DAEMON_RESTARTS | file with a line per daemon restart: a window with one is void |
+| VALIDATE_DAEMON_DIR | has `daemon.pid`, `daemon/snapshot.json`, `daemon-restarts` (a line each) |
 
 Exit status: 0 when the section measured (its PASS/FAIL lines are in
 checks.txt), 3 when it could not (a worker died, a barrier timed out).
@@ -76,7 +76,7 @@ class Config:
     overhead_batch: int
     mem_limit: int
     ctx_bytes: int | None
-    restarts_file: Path | None
+    daemon_dir: Path | None
     python: str = sys.executable
 
     @classmethod
@@ -101,18 +101,36 @@ class Config:
             overhead_batch=int(e.get("VALIDATE_OVERHEAD_BATCH", "64")),
             mem_limit=int(e.get("VALIDATE_MEM_LIMIT", str(8 * GiB))),
             ctx_bytes=int(ctx) if ctx else None,
-            restarts_file=(Path(e["VALIDATE_DAEMON_RESTARTS"])
-                           if e.get("VALIDATE_DAEMON_RESTARTS") else None),
+            daemon_dir=Path(e["VALIDATE_DAEMON_DIR"]) if e.get("VALIDATE_DAEMON_DIR") else None,
         )
 
     def daemon_restarts(self) -> int:
         """How often the daemon has exited so far (figures taken meanwhile are void)."""
-        if self.restarts_file is None:
+        if self.daemon_dir is None:
             return 0
         try:
-            return len(self.restarts_file.read_text().splitlines())
+            return len((self.daemon_dir / "daemon-restarts").read_text().splitlines())
         except FileNotFoundError:
             return 0
+
+    def daemon_snapshot(self) -> dict[str, Any] | None:
+        if self.daemon_dir is None:
+            return None
+        try:
+            data = json.loads((self.daemon_dir / "daemon" / "snapshot.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def reload_daemon(self) -> bool:
+        """SIGHUP: the daemon re-reads the tree and reattaches every region."""
+        if self.daemon_dir is None:
+            return False
+        try:
+            os.kill(int((self.daemon_dir / "daemon.pid").read_text()), signal.SIGHUP)
+        except (OSError, ValueError):
+            return False
+        return True
 
     @property
     def worker(self) -> list[str]:
@@ -418,10 +436,51 @@ class Phase:
 Results = list[dict[str, dict[str, Any]]]  # per phase done: worker -> its result
 
 
+def gpu_times(snapshot: dict[str, Any]) -> dict[str, float]:
+    return {c["name"]: float(c.get("gpu_time_seconds", 0.0))
+            for c in snapshot.get("containers", []) if c.get("gpu") == 0}
+
+
+def unaccounted(cfg: Config, names: Sequence[str], timeout: float = 6.0) -> list[str] | None:
+    """The containers whose GPU time the daemon did not see grow between two of its
+    snapshots while they ran; None when there are no snapshots to tell."""
+    first = cfg.daemon_snapshot()
+    if first is None:
+        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        later = cfg.daemon_snapshot()
+        if later is not None and float(later["timestamp"]) >= float(first["timestamp"]) + 1.0:
+            before, after = gpu_times(first), gpu_times(later)
+            return [n for n in names if after.get(n, 0.0) <= before.get(n, 0.0)]
+    return None
+
+
+def verify_accounting(cfg: Config, names: Sequence[str]) -> None:
+    """Running containers must have their GPU time accounted by the daemon, or it
+    schedules blind; if not, say so (FAIL) and reload it (SIGHUP) so that the
+    figures that follow still mean something."""
+    missing = unaccounted(cfg, names)
+    if missing is None:
+        stamp("cannot tell whether the daemon accounts GPU time (no snapshots)")
+        return
+    check(cfg, not missing, "daemon: accounts the GPU time of each running container "
+          f"({', '.join(names)})" + (f"; not of {', '.join(missing)}" if missing else ""))
+    if missing and cfg.reload_daemon():
+        stamp(f"GPU time of {', '.join(missing)} not accounted (region not attached?): "
+              "sent SIGHUP to cgpu-daemon (reload)")
+        still = unaccounted(cfg, missing)
+        verdict = f"still not accounted: {', '.join(still)}" if still else "accounted"
+        stamp(f"after the reload: {verdict}")
+
+
 def run_phases(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
-               nvml: Nvml | None, label: str, results: Results) -> None:
+               nvml: Nvml | None, label: str, results: Results,
+               containers: dict[str, int | None]) -> None:
     """Drive the workers through the plan; append each phase's results (+ GPU time)."""
     meter = Meter(nvml)
+    verified: set[str] = set()
     failed = [sync / f"failed-{w}" for w in {w for p in plan for w in p.workers}]
     for index, phase in enumerate(plan):
         if treefs.read_int(cfg.root / "0" / "policy") != phase.policy:
@@ -430,7 +489,12 @@ def run_phases(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
               f"{'+'.join(phase.workers)}")
         wait_files(procs, [sync / f"ready-{index}-{w}" for w in phase.workers], 300,
                    f"phase {index} ready", failed)
-        time.sleep(cfg.warmup)
+        warm = time.monotonic() + cfg.warmup
+        fresh = [w for w in phase.workers if containers.get(w) is not None and w not in verified]
+        if fresh:
+            verify_accounting(cfg, [container_name(w) for w in fresh])
+            verified.update(fresh)
+        time.sleep(max(0.0, warm - time.monotonic()))
         restarts = cfg.daemon_restarts()
         start = time.time() + 0.2
         (sync / f".go-{index}").write_text(json.dumps({"start": start, "window": cfg.window}))
@@ -465,10 +529,15 @@ def start_workers(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
         command = [*cfg.worker, worker, str(sync)]
         env = None
         if weight is not None:
-            command = [*cfg.cgpu_run(f"val-{worker}", memsize=memsize, weight=weight), *command]
+            command = [*cfg.cgpu_run(container_name(worker), memsize=memsize, weight=weight),
+                       *command]
         else:  # the same GPU as cgpu-run gives the containers (CUDA's order may differ)
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu0_uuid()}
         procs.spawn(worker, command, env)
+
+
+def container_name(worker: str) -> str:
+    return f"val-{worker}"
 
 
 def gpu0_uuid() -> str:
@@ -514,8 +583,9 @@ def section_compute(cfg: Config) -> None:
         with processes(cfg) as procs:
             stamp(f"compute: two containers, weights 1:2, {len(plan)} phases of "
                   f"{cfg.warmup:g} s warm-up + {cfg.window:g} s window")
-            start_workers(cfg, procs, sync, plan, dict(WEIGHTS))
-            run_phases(cfg, procs, sync, plan, nvml, "compute phase", results)
+            containers: dict[str, int | None] = dict(WEIGHTS)
+            start_workers(cfg, procs, sync, plan, containers)
+            run_phases(cfg, procs, sync, plan, nvml, "compute phase", results, containers)
     finally:  # what was measured is shown even when a later phase broke
         report_compute(cfg, plan, results)
 
@@ -563,8 +633,9 @@ def section_overhead(cfg: Config) -> None:
     with processes(cfg) as procs:
         stamp(f"overhead: one process alone at batch {batch}, with and without libcgpu, "
               "alternating")
-        start_workers(cfg, procs, sync, plan, {"lib": 1, "bare": None})
-        run_phases(cfg, procs, sync, plan, None, "overhead phase", results)
+        containers: dict[str, int | None] = {"lib": 1, "bare": None}
+        start_workers(cfg, procs, sync, plan, containers)
+        run_phases(cfg, procs, sync, plan, None, "overhead phase", results, containers)
     rates: dict[str, list[float]] = {"bare": [], "lib": []}
     void = False
     for phase, result in zip(plan, results, strict=True):

@@ -291,7 +291,7 @@ supervise_daemon() {
     done
 }
 : > "$WORK/daemon-restarts"
-export VALIDATE_DAEMON_RESTARTS="$WORK/daemon-restarts"
+export VALIDATE_DAEMON_DIR="$WORK"
 supervise_daemon &
 SUPERVISOR_PID=$!
 for _ in $(seq 300); do
