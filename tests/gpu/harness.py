@@ -370,8 +370,10 @@ def section_memory(cfg: Config) -> None:
                 break
             time.sleep(0.25)
         (status / "release").touch()
-        procs.wait(child, 60)
+        status_code = procs.wait(child, 60)
     report_memory(cfg, limit, report, meminfo, from_nvml)
+    check(cfg, status_code == 0, f"memory: the probe held its memory and exited normally "
+          f"(status {status_code}; 137 would be the daemon's backstop SIGKILL)")
 
 
 def report_memory(cfg: Config, limit: int, report: dict[str, Any], meminfo: dict[int, int],
