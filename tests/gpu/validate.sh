@@ -126,7 +126,7 @@ build() {  # build DIR: make, then again without -Werror (a newer compiler's new
     timeout 300 make -C "$dir" CFLAGS="-O2 -std=gnu11 -Wall -Wextra -fPIC -fvisibility=hidden -I../simgpu/include" \
         >>"$WORK/logs/build-$dir.log" 2>&1
 }
-if command -v make >/dev/null && command -v gcc >/dev/null; then
+if command -v make >/dev/null && { command -v gcc || command -v cc; } >/dev/null; then
     dirs="libcgpu"
     [ "$MODE" = sim ] && dirs="simgpu libcgpu"
     for dir in $dirs; do
@@ -136,7 +136,7 @@ if command -v make >/dev/null && command -v gcc >/dev/null; then
 elif [ -f libcgpu/libcgpu.so ]; then
     log "gcc or make missing: using the libcgpu/libcgpu.so that is already here"
 else
-    broken "gcc and make are needed to build libcgpu (or carry a built libcgpu/libcgpu.so)"
+    broken "make and a C compiler (gcc or cc) are needed to build libcgpu (or carry a built libcgpu/libcgpu.so)"
 fi
 [ -f libcgpu/libcgpu.so ] || broken "libcgpu/libcgpu.so was not built"
 
