@@ -9,7 +9,8 @@
   over their time stamps), memory per process from NVML's running
   processes; both are keyed by host pid and mapped to containers through
   the region's process slots (pid namespace inode + pid in it).
-- activity: launches blocked at the gate, or launches since the last sample;
+- activity: launches blocked at the gate, launches since the last sample, or
+  a launch within the last `ACTIVE_HOLD_NS`;
   regions without processes are looked at every `FULL_SCAN_EVERY` samples.
 
 Every NVML failure for a field gives "unknown" for it, never an exception
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,11 @@ from cgpu_km.daemon_io import Key, OpenPlane, Plane, PlaneSample, ProcessMemory,
 
 log = logging.getLogger("cgpu-daemon")
 
+
+# A container stays active this long after its last launch: with long kernels its
+# processes wait inside the driver for queue space (neither launching nor at the
+# gate) while other containers' work runs, and they must keep their credit.
+ACTIVE_HOLD_NS = 1_000_000_000
 
 # Every this many samples all regions are scanned for processes; in between only
 # those that had processes (a new process in an idle container waits for a scan).
@@ -209,13 +216,16 @@ class RegionPlane:
         for key, seconds in usage.items():
             self._usage[key] = max(self._usage.get(key, 0.0), seconds)
         active: set[Key] = set()
+        now_ns = time.monotonic_ns()
         for key, (_region, k) in self.keys.items():
             procs = procs_by_name.get(key[1])
             if procs is None:
                 continue  # no process at the last full scan: idle, figures unchanged
             launches = sum(p.launches[k] for p in procs)
             pending = sum(p.pending[k] for p in procs)
-            if pending > 0 or launches != self._launches.get(key, launches):
+            latest = max((p.last_launch_ns[k] for p in procs), default=0)
+            if (pending > 0 or launches != self._launches.get(key, launches)
+                    or (latest and now_ns - latest < ACTIVE_HOLD_NS)):
                 active.add(key)
             self._launches[key] = launches
             self._gate_wait[key] = sum(p.gate_wait_ns[k] for p in procs) / 1e9

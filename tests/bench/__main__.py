@@ -36,7 +36,7 @@ PERIOD = 0.02
 
 
 def window_for(us: int, quick: bool) -> float:
-    seconds = 8.0 if us <= 1000 else 12.0 if us <= 5000 else 20.0
+    seconds = 8.0 if us <= 1000 else 12.0 if us <= 5000 else 24.0
     return seconds / 3 if quick else seconds
 
 
