@@ -2,14 +2,14 @@
 
 Responsibilities, each its own task or nursery (see `Daemon.run`):
 
-- tree: every period it polls the per-GPU nodes and the container names
-  (so `echo 2 > <root>/0/policy` acts within one period), and re-reads every
-  container's nodes when the set changes, every `--tree-refresh` seconds and
-  on SIGHUP; it also watches `upgrade`.
-- accounting: every period one sample of the data plane (GPU time used and
-  activity per container), handed to the GPU schedulers.
-- schedulers: one task per GPU running a `cgpu_km.sched.GateScheduler` and
-  driving that GPU's gates; plus the heartbeat that keeps gates from failing open.
+- tree: inotify says which nodes were written, so `echo 2 > <root>/0/policy`
+  acts within one period; a slow poll (`--tree-refresh`, `--full-refresh`)
+  is the safety net, and without inotify the GPU nodes are polled every
+  period; SIGHUP re-reads everything; `upgrade` is watched too.
+- scheduling: every period one sample of the data plane (GPU time used and
+  activity per container), one `cgpu_km.sched.GateScheduler` step per GPU,
+  and the gates that changed set in one trip to the worker thread; plus the
+  heartbeat (every `HEARTBEAT_INTERVAL`) that keeps gates from failing open.
 - memory: NVML's per-process memory, fed into the tree (`meminfo`), and the
   backstop that stops processes of a container over its limit.
 - publishing: the snapshot for `cgpu-smi` and Prometheus, the state file.
@@ -78,7 +78,7 @@ STATE_MAX_AGE = 60.0
 class Settings:
     """Timing knobs (seconds)."""
 
-    period: float = 0.05
+    period: float = 0.1  # long-run shares do not depend on it; CPU use does (see make bench)
     tree_refresh: float = 5.0  # poll of the GPU nodes while inotify watches the tree
     full_refresh: float = 30.0  # every container's nodes, in case a change was missed
     memory_interval: float = 0.5
@@ -104,6 +104,8 @@ def gpu_config(nodes: GpuNodes, specs: Mapping[str, ContainerSpec]) -> GpuConfig
 
 GpuSample = tuple[dict[str, float], set[str]]  # one GPU's usage and active containers
 _NOTHING: GpuSample = ({}, set())
+# Gates fail open when the heartbeat is older than the region's gate timeout (2 s).
+HEARTBEAT_INTERVAL = 0.25
 
 
 def split_by_gpu(sample: PlaneSample) -> dict[int, GpuSample]:
@@ -122,8 +124,6 @@ class GpuState:
 
     index: int
     scheduler: GateScheduler
-    samples: trio.MemorySendChannel[tuple[float, GpuSample]]
-    inbox: trio.MemoryReceiveChannel[tuple[float, GpuSample]]
     decision: GateDecision | None = None
     ticks: int = 0
 
@@ -181,7 +181,6 @@ class Daemon:
         self.last_tick = 0.0
         self.upgrading = False
         self._saved_state: dict[str, Any] | None = None
-        self._gpu_nursery: trio.Nursery | None = None
         self._tree_error: str | None = None
         self.watcher: Watcher | None = None
         self.gpu_info = dict(gpu_info or {})
@@ -245,20 +244,16 @@ class Daemon:
         """Push the view into the GPU schedulers, creating or dropping GPUs."""
         for index in list(self.gpus):
             if index not in self.view.nodes:
-                self.gpus.pop(index).samples.close()
+                del self.gpus[index]
         for index in self.view.nodes:
             config = self.view.config(index)
             state = self.gpus.get(index)
             if state is None:
-                send, receive = trio.open_memory_channel[tuple[float, GpuSample]](1)
                 scheduler = GateScheduler(config, period=self.settings.period)
                 saved = (self._saved_state or {}).get("gpus", {}).get(str(index))
                 if saved:
                     scheduler.restore(saved)
-                state = GpuState(index, scheduler, send, receive)
-                self.gpus[index] = state
-                if self._gpu_nursery is not None:
-                    self._gpu_nursery.start_soon(self._serve_gpu, state)
+                self.gpus[index] = GpuState(index, scheduler)
             elif state.scheduler.config != config:
                 state.scheduler.configure(config)
 
@@ -362,49 +357,48 @@ class Daemon:
 
     # -- accounting and the schedulers ---------------------------------------
 
-    async def _serve_accounting(
+    async def _serve_scheduling(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Every period: measure, step every GPU's scheduler, set the gates that changed."""
         task_status.started()
         deadline = trio.current_time()
+        next_beat = deadline
         while True:
-            sample = await self._blocking(self._sample_and_beat)
-            taken = trio.current_time()  # as close to the measurement as this loop gets
+            beat = trio.current_time() >= next_beat
+            if beat:
+                next_beat = trio.current_time() + HEARTBEAT_INTERVAL
+            sample = await self._blocking(partial(self._measure, beat))
+            now = trio.current_time()  # as close to the measurement as this loop gets
             for key, used in sample.usage.items():
                 self.usage_start.setdefault(key, used)
-            per_gpu = split_by_gpu(sample)
-            for index, state in list(self.gpus.items()):
-                with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                    state.samples.send_nowait((taken, per_gpu.get(index, _NOTHING)))
-            await trio.lowlevel.checkpoint()  # let the schedulers take it before it is replaced
             self.last_sample = sample
+            per_gpu = split_by_gpu(sample)
+            changed: dict[int, frozenset[str]] = {}
+            for index, state in list(self.gpus.items()):
+                usage, active = per_gpu.get(index, _NOTHING)
+                decision = state.scheduler.step(now, usage, active)
+                if state.decision is None or decision.open != state.decision.open:
+                    changed[index] = decision.open
+                state.decision = decision
+                state.ticks += 1
+            if changed:
+                await self._blocking(partial(self._drive, changed))
+            self.last_tick = now
             deadline += self.settings.period
             await trio.sleep_until(deadline)
 
-    def _sample_and_beat(self) -> PlaneSample:
-        """One trip to the worker thread per period: measure, then stamp the heartbeat."""
+    def _measure(self, beat: bool) -> PlaneSample:
+        """Worker thread: measure, and stamp the heartbeat when it is due."""
         sample = self.plane.sample()
-        self.plane.heartbeat()
+        if beat:
+            self.plane.heartbeat()
         return sample
 
-    async def _serve_gpu(self, state: GpuState) -> None:
-        async for now, (usage, active) in state.inbox:
-            decision = state.scheduler.step(now, usage, active)
-            if state.decision is None or decision.open != state.decision.open:
-                await self._blocking(partial(self.plane.set_gates, state.index, decision.open))
-            state.decision = decision
-            state.ticks += 1
-            self.last_tick = now
-
-    async def _serve_schedulers(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        async with trio.open_nursery() as nursery:
-            self._gpu_nursery = nursery
-            for state in self.gpus.values():
-                nursery.start_soon(self._serve_gpu, state)
-            task_status.started()
-            await trio.sleep_forever()
+    def _drive(self, changed: Mapping[int, frozenset[str]]) -> None:
+        """Worker thread: set the gates of the GPUs whose decision changed."""
+        for index, open_ in changed.items():
+            self.plane.set_gates(index, open_)
 
     # -- memory: meminfo feed and backstop -----------------------------------
 
@@ -616,8 +610,7 @@ class Daemon:
         try:
             async with trio.open_nursery() as services:
                 await services.start(self._serve_tree)
-                await services.start(self._serve_schedulers)
-                await services.start(self._serve_accounting)
+                await services.start(self._serve_scheduling)
                 await services.start(self._serve_memory)
                 await services.start(self._serve_publish)
                 interval = watchdog_interval()
