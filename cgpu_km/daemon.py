@@ -331,6 +331,7 @@ class Daemon:
                         await self._read_container(gpu, name)
                 if changed:
                     self._apply()
+                watcher.sync(self.view.nodes)  # re-watch replaced files (cheap otherwise)
             except OSError as error:
                 self._note_tree_error(error)
 

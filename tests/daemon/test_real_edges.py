@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,47 @@ def test_fstree_reads_what_echo_wrote(control_tree: Path) -> None:
     assert "PID: 77 Mem: 1000" in (control_tree / "1" / "c" / "meminfo").read_text()
     with pytest.raises(FileNotFoundError):
         tree.read_container(0, "c")
+
+
+@pytest.fixture
+def plain_tree(tmp_path: Path) -> Iterator[Path]:
+    """The mount-free tree (`cgpu_km.plaintree`): node files replaced by rename."""
+    root = tmp_path / "plain"
+    process = subprocess.Popen([sys.executable, "-m", "cgpu_km.plaintree", "--root", str(root),
+                                "--gpus", "2"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while not (root / "inst_ctl").exists():
+            assert process.poll() is None, "plaintree exited"
+            assert time.monotonic() < deadline, "plaintree did not start"
+            time.sleep(0.02)
+        yield root
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+async def test_plain_tree_changes_act_quickly_too(plain_tree: Path, tmp_path: Path) -> None:
+    await trio.to_thread.run_sync(treefs.inst_ctl, plain_tree, "add 0 a weight=1")
+    await trio.to_thread.run_sync(wait_for_file, plain_tree / "0" / "a" / "weight")
+    plane = SimPlane(time.monotonic, {0: [SimProcess("a", 0.001)]})
+    settings = Settings(period=0.05, tree_refresh=60, full_refresh=60)
+    daemon = Daemon(FsTree(plain_tree), plane, state_dir=tmp_path, settings=settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        scheduler = daemon.gpus[0].scheduler
+        for value in (2, 3, 0):  # each write replaces the file: the watch must follow
+            await trio.to_thread.run_sync(echo, plain_tree, "0/policy", value)
+            await wait_until(lambda v=value: scheduler.config.policy == v)  # type: ignore[misc]
+        await trio.to_thread.run_sync(echo, plain_tree, "0/a/weight", 4)
+        await wait_until(lambda: scheduler.config.containers["a"].weight == 4)
+        await trio.to_thread.run_sync(treefs.inst_ctl, plain_tree, "add 0 b")
+        await wait_until(lambda: "b" in daemon.gpus[0].scheduler.config.containers)
+        nursery.cancel_scope.cancel()
+
+
+def wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + 5
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
