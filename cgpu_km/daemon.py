@@ -554,7 +554,7 @@ class Daemon:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        next_save = trio.current_time() + self.settings.save_interval
+        next_save = trio.current_time() + self.settings.publish_interval  # soon after start
         while True:
             if self.publish is not None:
                 try:
@@ -563,7 +563,7 @@ class Daemon:
                     log.warning("cannot publish the snapshot: %s", error)
             await trio.sleep(self.settings.publish_interval)
             if trio.current_time() >= next_save:
-                next_save = trio.current_time() + self.settings.save_interval
+                next_save = trio.current_time() + self.settings.publish_interval  # soon after start
                 try:
                     self.save_state()
                 except OSError as error:

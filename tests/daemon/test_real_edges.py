@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -164,3 +165,96 @@ def wait_for_file(path: Path) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear"
         time.sleep(0.01)
+
+
+def test_stop_processes_runs_the_oom_script_then_kills(tmp_path: Path) -> None:
+    from cgpu_km.daemon_io import stop_processes
+
+    victim = subprocess.Popen(["sleep", "60"])
+    script = tmp_path / "oom.sh"
+    seen = tmp_path / "seen"
+    script.write_text(f'#!/bin/sh\necho "$1 $CGPU_OOM_PID" > {seen}\n')
+    script.chmod(0o755)
+    try:
+        stop_processes([victim.pid], oom_script=str(script))
+        assert victim.wait(timeout=5) == -9
+        assert seen.read_text().split() == [str(victim.pid)] * 2
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    stop_processes([victim.pid], oom_script="")  # already gone: nothing to do, no error
+
+
+def test_hot_update_keeps_the_pid_and_writes_zero(control_tree: Path, tmp_path: Path) -> None:
+    """The real daemon: `echo 1 > upgrade` re-executes it in place; upgrade reads 0 again."""
+    log = tmp_path / "daemon.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "cgpu-daemon"), "--root", str(control_tree),
+             "--state-dir", str(tmp_path / "state"), "--region-dir", str(tmp_path / "regions")],
+            stdout=out, stderr=out,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while "running:" not in log.read_text():
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        echo(control_tree, "upgrade", 1)
+        while "hot update done" not in log.read_text():
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert (control_tree / "upgrade").read_text() == "0\n"
+        assert log.read_text().count("running:") == 2  # the same process, started again
+        assert (tmp_path / "state" / "daemon-state.json").exists()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+class FakeNvml:
+    """Just enough of pynvml for `Nvml.busy_by_pid` and `memory_by_pid`."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.replies: list[list[tuple[int, int, int]]] = []  # (pid, timeStamp us, smUtil)
+
+    def nvmlDeviceGetProcessUtilization(self, handle: object, last: int) -> list[object]:
+        self.calls.append(last)
+        if not self.replies:
+            raise self.NVMLError("not found")
+        return [SimpleNamespace(pid=p, timeStamp=t, smUtil=u) for p, t, u in self.replies.pop(0)]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[object]:
+        return [SimpleNamespace(pid=7, usedGpuMemory=100), SimpleNamespace(pid=8,
+                                                                           usedGpuMemory=None)]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: object) -> object:
+        raise self.NVMLError("not supported")
+
+
+def test_nvml_usage_is_integrated_over_each_window() -> None:
+    from cgpu_km.daemon_plane import Nvml
+
+    fake = FakeNvml()
+    nvml = Nvml.__new__(Nvml)
+    nvml.nvml, nvml.handles = fake, {0: object()}
+    nvml._last_seen, nvml._busy, nvml._stamp = {}, {}, {}
+    fake.replies = [
+        [(7, 1_000_000, 90)],  # the first answer covers an unknown window: a baseline
+        [(7, 1_100_000, 50), (8, 1_100_000, 25)],  # 100 ms: 50 ms and 25 ms
+        [(7, 1_300_000, 100)],  # 200 ms more for 7; 8 did not run
+    ]
+    assert nvml.busy_by_pid() == {}
+    assert nvml.busy_by_pid() == pytest.approx({(0, 7): 0.05, (0, 8): 0.025})
+    assert nvml.busy_by_pid() == pytest.approx({(0, 7): 0.25, (0, 8): 0.025})
+    assert nvml.busy_by_pid() == pytest.approx({(0, 7): 0.25, (0, 8): 0.025})  # NVML error
+    assert fake.calls == [0, 1_000_000, 1_100_000, 1_300_000]
+    procs, used = nvml.memory_by_pid()
+    assert procs == {(0, 7): 100, (0, 8): 0}
+    assert used == {}  # the failing field is unknown, not an error

@@ -135,3 +135,18 @@ def test_a_dead_daemon_never_leaves_workloads_blocked(node: SimNode, sig: int) -
     if sig == signal.SIGKILL:
         time.sleep(2.5)  # the heartbeat goes stale: gates fail open
     assert node.measure(2)["a"] >= 0.9
+
+
+def test_a_restarted_daemon_reattaches_and_holds_the_share_again(node: SimNode) -> None:
+    set_node(node.root, "0/policy", 0)
+    set_node(node.root, "0/max_inst", 5)
+    node.add("a")
+    node.start("a", us=KERNEL_US)
+    node.start_daemon()
+    time.sleep(1)
+    assert node.measure(2)["a"] == pytest.approx(0.20, abs=0.03)
+    node.kill_daemon(signal.SIGKILL)
+    node.start_daemon()  # a new process: the tree, the region and the workload are as they were
+    time.sleep(1)
+    assert node.measure(3)["a"] == pytest.approx(0.20, abs=0.03)
+    assert "restored scheduler state" in node.daemon_log()

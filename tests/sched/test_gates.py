@@ -204,3 +204,19 @@ def test_time_going_backwards_is_refused() -> None:
     scheduler.step(1.0, {}, set())
     with pytest.raises(ValueError, match="backwards"):
         scheduler.step(0.5, {}, set())
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    limits=st.lists(st.sampled_from([0, 10, 35, 60, 95]), min_size=1, max_size=4),
+    kernel_s=st.sampled_from([0.0005, 0.002]),
+)
+def test_native_runs_everyone_and_only_util_limit_caps(limits: list[int], kernel_s: float) -> None:
+    specs = {f"c{i}": W(1, util_limit=limit) for i, limit in enumerate(limits)}
+    config = GpuConfig(policy=Policy.NATIVE, containers=specs)
+    got = simulate(config, [SimProcess(name, kernel_s) for name in specs], 10.0)
+    for name, spec in specs.items():
+        if spec.util_limit:
+            assert got[name] <= spec.util_limit / 100 + 0.01, got
+    if any(spec.util_limit == 0 for spec in specs.values()):
+        assert sum(got.values()) >= 0.99  # nothing held back: the GPU stays busy
