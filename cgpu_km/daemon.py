@@ -563,7 +563,7 @@ class Daemon:
                     log.warning("cannot publish the snapshot: %s", error)
             await trio.sleep(self.settings.publish_interval)
             if trio.current_time() >= next_save:
-                next_save = trio.current_time() + self.settings.publish_interval  # soon after start
+                next_save = trio.current_time() + self.settings.save_interval
                 try:
                     self.save_state()
                 except OSError as error:
