@@ -421,7 +421,7 @@ class Daemon:
             await trio.sleep_until(deadline)
 
     async def _feed_meminfo(self, by_container: Mapping[Key, Mapping[int, int]]) -> None:
-        for key in self.view.specs:
+        for key in list(self.view.specs):  # the tree task may change it while we await
             procs = dict(by_container.get(key, {}))
             if self.fed_meminfo.get(key) == procs:
                 continue
