@@ -150,3 +150,24 @@ def test_a_restarted_daemon_reattaches_and_holds_the_share_again(node: SimNode) 
     time.sleep(1)
     assert node.measure(3)["a"] == pytest.approx(0.20, abs=0.03)
     assert "restored scheduler state" in node.daemon_log()
+
+
+def test_two_gpus_are_scheduled_independently(tmp_path: Path, control_tree: Path) -> None:
+    node = SimNode(tmp_path, control_tree, gpus=2)
+    try:
+        set_node(control_tree, "0/policy", 2)
+        set_node(control_tree, "1/policy", 0)
+        set_node(control_tree, "1/max_inst", 4)
+        node.add("a", gpu=0, weight=1)
+        node.add("b", gpu=0, weight=2)
+        node.add("c", gpu=1)
+        for name, gpu in (("a", 0), ("b", 0), ("c", 1)):
+            node.start(name, us=KERNEL_US)
+            assert node.regions[name].gpu_spec(0).host_index == gpu
+        node.start_daemon()
+        time.sleep(1)
+        first = node.measure(4, gpu=0)
+        assert first["b"] / first["a"] == pytest.approx(2.0, rel=0.08), first
+        assert node.measure(3, gpu=1)["c"] == pytest.approx(0.25, abs=0.03)
+    finally:
+        node.close()
