@@ -149,9 +149,6 @@ def make_bundle(host: Host, name: str, rootfs: Path, env: dict[str, str]) -> Pat
     config["process"]["env"] = [
         "PATH=/bin", "LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu", "NVIDIA_VISIBLE_DEVICES=0",
         f"SIMGPU_DEVICES={T4}", "SIMGPU_STATE=/simgpu-state", "SIMGPU_CONTEXT_MEM=0",
-        # A training loop syncs every step: a short launch queue, not 1024 kernels ahead
-        # of the gate (that would run seconds past every decision).
-        "SIMGPU_QUEUE_DEPTH=2",
         *(f"{key}={value}" for key, value in env.items()),
     ]
     config["mounts"].append({"destination": "/simgpu-state", "type": "bind",

@@ -23,13 +23,17 @@ from pathlib import Path
 from typing import Any
 
 MAGIC = 0x314E4F4947455243  # "CREGION1"
-VERSION = 1
+VERSION = 2
 MAX_GPUS = 16
 MAX_PROCS = 256
 ID_LEN = 72
 PATH_LEN = 256
 UUID_LEN = 96
 DEFAULT_GATE_TIMEOUT_NS = 2_000_000_000
+# Launches per stream a process may keep queued (about; 0 = unbounded): after
+# the gate closes, the GPU runs at most this many more kernels per stream.
+DEFAULT_MAX_INFLIGHT = 16
+MAX_INFLIGHT_ENV = "CGPU_MAX_INFLIGHT"  # libcgpu: overrides the region's bound in a process
 
 MODE_CGPU = 0
 MODE_EGPU = 1
@@ -60,7 +64,9 @@ class GpuEntry(ctypes.Structure):
         ("host_index", ctypes.c_uint32),
         ("gate_changes", ctypes.c_uint64),
         ("uuid", ctypes.c_char * UUID_LEN),
-        ("reserved", ctypes.c_uint8 * 128),
+        ("max_inflight", ctypes.c_uint32),
+        ("reserved32", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint8 * 120),
     )
 
 
@@ -120,13 +126,15 @@ class RegionError(Exception):
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU of a container: its limit in bytes (0 = whole device), its
-    UUID as NVML prints it ("" = match by ordinal), its host index, and the
-    bytes charged for each process's context on it."""
+    UUID as NVML prints it ("" = match by ordinal), its host index, the
+    bytes charged for each process's context on it, and how many launches
+    per stream a process may keep queued (0 = unbounded)."""
 
     limit: int
     uuid: str = ""
     host_index: int = 0
     ctx_bytes: int = 0
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
 
 
 @dataclass(frozen=True)
@@ -293,6 +301,12 @@ def host_liveness(proc_root: str = "/proc") -> Callable[[ProcView], bool]:
 
 # ---- the region ------------------------------------------------------------
 
+def _check_max_inflight(launches: int, where: str = "") -> None:
+    if not 0 <= launches < 2**30:
+        raise RegionError(f"{where}max_inflight must be 0 (unbounded) to {2**30 - 1}, "
+                          f"not {launches}")
+
+
 def _encode(text: str, size: int, what: str) -> bytes:
     data = text.encode()
     if len(data) >= size:
@@ -338,10 +352,12 @@ class Region:
         for k, spec in enumerate(gpus):
             if spec.limit < 0 or spec.ctx_bytes < 0:
                 raise RegionError(f"GPU {k}: limit and ctx_bytes must not be negative")
+            _check_max_inflight(spec.max_inflight, f"GPU {k}: ")
             entry = layout.gpu[k]
             entry.limit = spec.limit
             entry.ctx_bytes = spec.ctx_bytes
             entry.host_index = spec.host_index
+            entry.max_inflight = spec.max_inflight
             entry.gate = GATE_OPEN
             entry.uuid = _encode(spec.uuid, UUID_LEN, "GPU UUID")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -445,7 +461,7 @@ class Region:
     def gpu_spec(self, k: int) -> GpuSpec:
         entry = self._gpu(k)
         return GpuSpec(int(entry.limit), bytes(entry.uuid).decode(), int(entry.host_index),
-                       int(entry.ctx_bytes))
+                       int(entry.ctx_bytes), int(entry.max_inflight))
 
     def gpu_for_host(self, host_index: int) -> int | None:
         """The container GPU that is host GPU `host_index`, if any."""
@@ -467,6 +483,11 @@ class Region:
         if ctx_bytes < 0:
             raise RegionError("ctx_bytes must not be negative")
         self._gpu(k).ctx_bytes = ctx_bytes
+
+    def set_max_inflight(self, k: int, launches: int) -> None:
+        """New in-flight bound of GPU k (0 = unbounded); processes apply it at their next launch."""
+        _check_max_inflight(launches)
+        self._gpu(k).max_inflight = launches
 
     def _gate_address(self, k: int) -> int:
         return ctypes.addressof(self._gpu(k)) + GpuEntry.gate.offset

@@ -27,6 +27,7 @@
 #pragma GCC visibility pop
 
 #include "cgpu.h"
+#include "flight.h"
 
 /* ------------------------------------------------------------------ */
 /* The list of wrapped functions: X(lib, name)                        */
@@ -60,6 +61,7 @@
     X(LIB_CUDA, cuDevicePrimaryCtxRetain)                                                        \
     X(LIB_CUDA, cuDevicePrimaryCtxRelease_v2)                                                    \
     X(LIB_CUDA, cuDevicePrimaryCtxReset_v2)                                                      \
+    X(LIB_CUDA, cuStreamDestroy_v2)                                                              \
     X(LIB_CUDA, cuLaunchKernel)                                                                  \
     X(LIB_CUDA, cuLaunchKernel_ptsz)                                                             \
     X(LIB_CUDA, cuLaunchKernelEx)                                                                \
@@ -86,15 +88,18 @@ CGPU_EXPORT CUresult cgpu_cuDevicePrimaryCtxRelease_legacy(CUdevice dev)
     __asm__("cuDevicePrimaryCtxRelease");
 CGPU_EXPORT CUresult cgpu_cuDevicePrimaryCtxReset_legacy(CUdevice dev)
     __asm__("cuDevicePrimaryCtxReset");
+CGPU_EXPORT CUresult cgpu_cuStreamDestroy_legacy(CUstream stream) __asm__("cuStreamDestroy");
 static __typeof__(&cuCtxCreate_v2) real_cuCtxCreate_legacy;
 static __typeof__(&cuCtxDestroy_v2) real_cuCtxDestroy_legacy;
 static __typeof__(&cuDevicePrimaryCtxRelease_v2) real_cuDevicePrimaryCtxRelease_legacy;
 static __typeof__(&cuDevicePrimaryCtxReset_v2) real_cuDevicePrimaryCtxReset_legacy;
+static __typeof__(&cuStreamDestroy_v2) real_cuStreamDestroy_legacy;
 
 #define DECLARE_REAL(lib, name) static __typeof__(&name) real_##name;
 CGPU_HOOKS(DECLARE_REAL)
 static __typeof__(&cuCtxGetDevice) real_cuCtxGetDevice;
 static __typeof__(&cuDeviceGetUuid_v2) real_cuDeviceGetUuid_v2;
+static __typeof__(&cuDevicePrimaryCtxGetState) real_cuDevicePrimaryCtxGetState;
 static __typeof__(&nvmlDeviceGetUUID) real_nvmlDeviceGetUUID;
 static __typeof__(&nvmlDeviceGetIndex) real_nvmlDeviceGetIndex;
 
@@ -117,8 +122,18 @@ static struct hook hooks[] = {
      (void **)&real_cuDevicePrimaryCtxRelease_legacy, LIB_CUDA},
     {"cuDevicePrimaryCtxReset", (void *)&cgpu_cuDevicePrimaryCtxReset_legacy,
      (void **)&real_cuDevicePrimaryCtxReset_legacy, LIB_CUDA},
+    {"cuStreamDestroy", (void *)&cgpu_cuStreamDestroy_legacy, (void **)&real_cuStreamDestroy_legacy,
+     LIB_CUDA},
     {"cuCtxGetDevice", NULL, (void **)&real_cuCtxGetDevice, LIB_CUDA},
     {"cuDeviceGetUuid_v2", NULL, (void **)&real_cuDeviceGetUuid_v2, LIB_CUDA},
+    {"cuDevicePrimaryCtxGetState", NULL, (void **)&real_cuDevicePrimaryCtxGetState, LIB_CUDA},
+    {"cuCtxGetCurrent", NULL, (void **)&cgpu_flight_cu.ctx_get_current, LIB_CUDA},
+    {"cuEventCreate", NULL, (void **)&cgpu_flight_cu.event_create, LIB_CUDA},
+    {"cuEventRecord", NULL, (void **)&cgpu_flight_cu.event_record, LIB_CUDA},
+    {"cuEventSynchronize", NULL, (void **)&cgpu_flight_cu.event_synchronize, LIB_CUDA},
+    {"cuStreamIsCapturing", NULL, (void **)&cgpu_flight_cu.stream_is_capturing, LIB_CUDA},
+    {"cuThreadExchangeStreamCaptureMode", NULL, (void **)&cgpu_flight_cu.exchange_capture_mode,
+     LIB_CUDA},
     {"nvmlDeviceGetUUID", NULL, (void **)&real_nvmlDeviceGetUUID, LIB_NVML},
     {"nvmlDeviceGetIndex", NULL, (void **)&real_nvmlDeviceGetIndex, LIB_NVML},
 };
@@ -751,6 +766,7 @@ static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned ctx_refs[CGPU_MAX_GPUS];      /* created + retained primary */
 static unsigned primary_refs[CGPU_MAX_GPUS];  /* retained primary only */
 static uint64_t ctx_charged[CGPU_MAX_GPUS];
+static CUcontext primary_ctx[DEV_CACHE];      /* by device ordinal, as last retained */
 
 void cgpu_hooks_after_fork(void)
 {
@@ -758,6 +774,8 @@ void cgpu_hooks_after_fork(void)
     memset(ctx_refs, 0, sizeof ctx_refs);
     memset(primary_refs, 0, sizeof primary_refs);
     memset(ctx_charged, 0, sizeof ctx_charged);
+    memset(primary_ctx, 0, sizeof primary_ctx);
+    cgpu_flight_after_fork();
 }
 
 static void publish_contexts(int g)
@@ -855,6 +873,8 @@ static CUresult ctx_destroy(__typeof__(&cuCtxDestroy_v2) real, CUcontext ctx)
     int known = cgpu_region() != NULL &&
                 cgpu_track_take(CGPU_TRACK_CTX, (uint64_t)(uintptr_t)ctx, &unused, &g);
     CUresult rc = real(ctx);
+    if (rc == CUDA_SUCCESS)
+        cgpu_flight_forget_ctx(ctx);
     if (known) {
         if (rc == CUDA_SUCCESS)
             ctx_drop(g, 1, 0);
@@ -895,6 +915,8 @@ CGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     rc = real_cuDevicePrimaryCtxRetain(pctx, dev);
     if (rc != CUDA_SUCCESS)
         ctx_drop(g, 1, 1);
+    else if (dev >= 0 && dev < DEV_CACHE && pctx != NULL)
+        __atomic_store_n(&primary_ctx[dev], *pctx, __ATOMIC_RELAXED);
     return rc;
 }
 
@@ -902,9 +924,40 @@ CGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 static CUresult primary_drop(CUresult rc, CUdevice dev, unsigned n)
 {
     struct cgpu_region *r = cgpu_region();
-    if (rc == CUDA_SUCCESS && r != NULL)
-        ctx_drop(gpu_of_device(r, dev), n, 1);
+    if (rc != CUDA_SUCCESS || r == NULL)
+        return rc;
+    ctx_drop(gpu_of_device(r, dev), n, 1);
+    /* the context is gone after a reset, or a release of the last reference */
+    unsigned flags;
+    int active = 0;
+    if (dev >= 0 && dev < DEV_CACHE &&
+        (n != 1 || real_cuDevicePrimaryCtxGetState == NULL ||
+         real_cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active))
+        cgpu_flight_forget_ctx(__atomic_load_n(&primary_ctx[dev], __ATOMIC_RELAXED));
     return rc;
+}
+
+/* ------------------------------------------------------------------ */
+/* Streams: a destroyed stream's in-flight entry serves the next one  */
+/* ------------------------------------------------------------------ */
+
+static CUresult stream_destroyed(CUresult rc, CUstream stream)
+{
+    if (rc == CUDA_SUCCESS && cgpu_region() != NULL)
+        cgpu_flight_forget_stream(stream);
+    return rc;
+}
+
+CGPU_EXPORT CUresult cuStreamDestroy_v2(CUstream stream)
+{
+    ENSURE_CUDA(cuStreamDestroy_v2);
+    return stream_destroyed(real_cuStreamDestroy_v2(stream), stream);
+}
+
+CUresult cgpu_cuStreamDestroy_legacy(CUstream stream)
+{
+    ENSURE_CUDA(cuStreamDestroy_legacy);
+    return stream_destroyed(real_cuStreamDestroy_legacy(stream), stream);
 }
 
 CGPU_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
@@ -932,22 +985,37 @@ CUresult cgpu_cuDevicePrimaryCtxReset_legacy(CUdevice dev)
 }
 
 /* ------------------------------------------------------------------ */
-/* Launches: wait at the gate, count                                  */
+/* Launches: wait at the gate, count, bound what is queued            */
 /* ------------------------------------------------------------------ */
 
-static inline void launch_gate(void)
+/* Wait at the gate of the launch's container GPU: that GPU, or -1 when
+ * there is nothing to do (no region, not one of the container's GPUs). */
+static inline int launch_gate(struct cgpu_region **region)
 {
     struct cgpu_region *r = cgpu_region();
+    *region = r;
     if (r == NULL)
-        return;
+        return -1;
     int g = 0;
     if (r->ngpus > 1) {
         g = current_gpu(r);
         if (g < 0)
-            return;
+            return -1;
     }
     cgpu_gate_pass(r, g);
+    return g;
 }
+
+/* Gate, the real launch, then the in-flight bound on its stream. */
+#define LAUNCH(realcall, stream, ptsz)                                                           \
+    do {                                                                                         \
+        struct cgpu_region *r_;                                                                  \
+        int g_ = launch_gate(&r_);                                                               \
+        CUresult rc_ = (realcall);                                                               \
+        if (g_ >= 0 && rc_ == CUDA_SUCCESS)                                                      \
+            cgpu_flight_launched(r_, g_, (stream), (ptsz));                                      \
+        return rc_;                                                                              \
+    } while (0)
 
 #define LAUNCH_ARGS                                                                              \
     CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,            \
@@ -957,59 +1025,51 @@ static inline void launch_gate(void)
 CGPU_EXPORT CUresult cuLaunchKernel(LAUNCH_ARGS, void **params, void **extra)
 {
     ENSURE_CUDA(cuLaunchKernel);
-    launch_gate();
-    return real_cuLaunchKernel(LAUNCH_PASS, params, extra);
+    LAUNCH(real_cuLaunchKernel(LAUNCH_PASS, params, extra), stream, 0);
 }
 
 CGPU_EXPORT CUresult cuLaunchKernel_ptsz(LAUNCH_ARGS, void **params, void **extra)
 {
     ENSURE_CUDA(cuLaunchKernel_ptsz);
-    launch_gate();
-    return real_cuLaunchKernel_ptsz(LAUNCH_PASS, params, extra);
+    LAUNCH(real_cuLaunchKernel_ptsz(LAUNCH_PASS, params, extra), stream, 1);
 }
 
 CGPU_EXPORT CUresult cuLaunchCooperativeKernel(LAUNCH_ARGS, void **params)
 {
     ENSURE_CUDA(cuLaunchCooperativeKernel);
-    launch_gate();
-    return real_cuLaunchCooperativeKernel(LAUNCH_PASS, params);
+    LAUNCH(real_cuLaunchCooperativeKernel(LAUNCH_PASS, params), stream, 0);
 }
 
 CGPU_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(LAUNCH_ARGS, void **params)
 {
     ENSURE_CUDA(cuLaunchCooperativeKernel_ptsz);
-    launch_gate();
-    return real_cuLaunchCooperativeKernel_ptsz(LAUNCH_PASS, params);
+    LAUNCH(real_cuLaunchCooperativeKernel_ptsz(LAUNCH_PASS, params), stream, 1);
 }
 
 CGPU_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **params,
                                       void **extra)
 {
     ENSURE_CUDA(cuLaunchKernelEx);
-    launch_gate();
-    return real_cuLaunchKernelEx(config, f, params, extra);
+    LAUNCH(real_cuLaunchKernelEx(config, f, params, extra), config->hStream, 0);
 }
 
 CGPU_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
                                            void **params, void **extra)
 {
     ENSURE_CUDA(cuLaunchKernelEx_ptsz);
-    launch_gate();
-    return real_cuLaunchKernelEx_ptsz(config, f, params, extra);
+    LAUNCH(real_cuLaunchKernelEx_ptsz(config, f, params, extra), config->hStream, 1);
 }
 
 CGPU_EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream stream)
 {
     ENSURE_CUDA(cuGraphLaunch);
-    launch_gate();
-    return real_cuGraphLaunch(exec, stream);
+    LAUNCH(real_cuGraphLaunch(exec, stream), stream, 0);
 }
 
 CGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream stream)
 {
     ENSURE_CUDA(cuGraphLaunch_ptsz);
-    launch_gate();
-    return real_cuGraphLaunch_ptsz(exec, stream);
+    LAUNCH(real_cuGraphLaunch_ptsz(exec, stream), stream, 1);
 }
 
 /* ------------------------------------------------------------------ */

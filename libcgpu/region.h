@@ -22,6 +22,9 @@
  *  - The gate is a futex word written only by the daemon. Waiters use
  *    FUTEX_WAIT with a timeout and re-check the heartbeat, so a dead daemon
  *    never blocks a launch for longer than gate_timeout_ns.
+ *  - The gate acts at launch time only, so each process also keeps its
+ *    queued work short (gpu.max_inflight launches per stream, see
+ *    libcgpu/flight.c): work queued before the gate closed drains quickly.
  *
  * All timestamps are CLOCK_MONOTONIC nanoseconds (Python: time.monotonic_ns()).
  * All fields are naturally aligned; 64-bit fields are read and written with
@@ -33,13 +36,17 @@
 #include <stdint.h>
 
 #define CGPU_REGION_MAGIC 0x314e4f4947455243ULL /* "CREGION1" little-endian */
-#define CGPU_REGION_VERSION 1u
+#define CGPU_REGION_VERSION 2u
 #define CGPU_MAX_GPUS 16
 #define CGPU_MAX_PROCS 256
 #define CGPU_ID_LEN 72
 #define CGPU_PATH_LEN 256
 #define CGPU_UUID_LEN 96
 #define CGPU_DEFAULT_GATE_TIMEOUT_NS 2000000000ULL
+/* gpu.max_inflight when the creator does not say: a process keeps at most
+ * about this many launches per stream queued ahead of the GPU, so a closed
+ * gate takes effect within that many kernels (0 = unbounded). */
+#define CGPU_DEFAULT_MAX_INFLIGHT 16u
 /* Where a container finds its region when $CGPU_REGION is not set (the OCI
  * hook bind-mounts it there); $CGPU_REGION set but empty means no region. */
 #define CGPU_CONTAINER_REGION_PATH "/run/cgpu/region"
@@ -66,7 +73,9 @@ struct cgpu_gpu {
     uint32_t host_index;     /* the GPU's index on the host (NVML index) */
     uint64_t gate_changes;   /* daemon: times the gate was opened or closed */
     char uuid[CGPU_UUID_LEN]; /* "GPU-...", matched against the driver; "" = by ordinal */
-    uint8_t reserved[128];
+    uint32_t max_inflight;   /* launches a process may keep queued per stream; 0 = unbounded */
+    uint32_t reserved32;     /* 0 */
+    uint8_t reserved[120];
 };
 
 /* One process's use of one GPU. 64 bytes, written by the owner only. */
@@ -76,7 +85,7 @@ struct cgpu_proc_gpu {
     uint64_t launches;       /* kernel and graph launches issued */
     uint64_t last_launch_ns; /* CLOCK_MONOTONIC_COARSE stamp of the last launch (~4 ms grain) */
     uint64_t gate_wait_ns;   /* total time launches spent blocked at the closed gate */
-    uint32_t pending;        /* launches blocked at the gate right now */
+    uint32_t pending;        /* launches waiting now: at the gate, or for the GPU (max_inflight) */
     uint32_t contexts;       /* contexts held (ctx_bytes charged while > 0) */
     uint64_t allocs;         /* successful allocations */
     uint64_t oom_refusals;   /* allocations refused for the limit */

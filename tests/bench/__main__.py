@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cgpu_km import region as region_mod
 from cgpu_km.sched import ContainerSpec, GateScheduler, GpuConfig, Policy
 from cgpu_km.sched_sim import EngineSim, SimProcess, run
 from tests.bench import libcgpu_bench
@@ -31,7 +32,9 @@ from tests.daemon.simbox import VENV_BIN, SimNode, missing
 KERNELS_US = (50, 1000, 5000, 20000)
 PROCS = (1, 4, 8)
 WEIGHTS = (1, 2)
-QUEUE_DEPTH = 2
+# simgpu keeps its default launch queue (1024); libcgpu bounds each process's
+# queue to the region's max_inflight, which the engine model takes as its depth.
+QUEUE_DEPTH = region_mod.DEFAULT_MAX_INFLIGHT
 PERIOD = 0.02
 
 
@@ -80,7 +83,8 @@ class Tree:
 
 def share_table(base: Path, tree: Tree | None, quick: bool) -> None:
     print("Compute shares: policy 2 (weight-based), weights 1:2, target ratio 2.00")
-    print(f"(queue depth {QUEUE_DEPTH} launches per process, period {PERIOD * 1000:.0f} ms)")
+    print(f"(simgpu queue 1024, libcgpu in-flight bound {QUEUE_DEPTH} launches per process, "
+          f"period {PERIOD * 1000:.0f} ms)")
     head = (f"{'kernel':>8} {'procs':>5} | {'ctr1 k/s':>9} {'ctr2 k/s':>9} {'ratio':>6} "
             f"{'target':>6} {'error':>7} | {'model ratio':>11} {'error':>7}")
     print(head)
@@ -97,7 +101,7 @@ def share_table(base: Path, tree: Tree | None, quick: bool) -> None:
                 print(f"{label:>8} {procs:>5} | {'-':>9} {'-':>9} {'-':>6} {target:>6.2f} "
                       f"{'-':>7} | {model_cols}")
                 continue
-            node = SimNode(base / f"shares-{us}-{procs}", tree.root, queue_depth=QUEUE_DEPTH)
+            node = SimNode(base / f"shares-{us}-{procs}", tree.root)
             try:
                 (tree.root / "0" / "policy").write_text("2\n")
                 node.add("c1", weight=WEIGHTS[0])
@@ -125,7 +129,7 @@ def daemon_cpu(base: Path, tree: Tree, quick: bool) -> None:
     seconds = 10.0 if quick else 30.0
     print(f"Daemon CPU: {per_gpu} containers on each of {gpus} simulated GPUs "
           f"({gpus * per_gpu} regions), one busy workload per GPU (5 ms kernels)")
-    node = SimNode(base / "cpu", tree.root, gpus=gpus, queue_depth=QUEUE_DEPTH)
+    node = SimNode(base / "cpu", tree.root, gpus=gpus)
     try:
         for gpu in range(gpus):
             (tree.root / str(gpu) / "max_inst").write_text(f"{per_gpu}\n")

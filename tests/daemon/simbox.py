@@ -38,7 +38,10 @@ def missing() -> str | None:
 class SimNode:
     """One simulated host: `gpus` simulated T4s, containers, workloads, the daemon."""
 
-    def __init__(self, tmp: Path, root: Path, *, gpus: int = 1, queue_depth: int = 2) -> None:
+    def __init__(self, tmp: Path, root: Path, *, gpus: int = 1,
+                 queue_depth: int | None = None) -> None:
+        """`queue_depth`: simgpu's launch queue per stream (None: its default, 1024;
+        libcgpu's in-flight bound keeps what each process queues short)."""
         self.tmp = tmp
         self.root = root
         self.region_dir = tmp / "regions"
@@ -55,11 +58,12 @@ class SimNode:
             "SIMGPU_STATE": str(tmp / "simgpu-state"),
             "SIMGPU_DEVICES": devices,
             "SIMGPU_CONTEXT_MEM": "0",
-            "SIMGPU_QUEUE_DEPTH": str(queue_depth),
             "CGPU_SIMULATE": "1",
             "CGPU_SIMGPU_DIR": str(SIMGPU),
             "PYTHONPATH": str(REPO),
         }
+        if queue_depth is not None:
+            self.env["SIMGPU_QUEUE_DEPTH"] = str(queue_depth)
 
     def uuid(self, gpu: int) -> str:
         return f"{UUID[:-2]}{gpu:02d}"

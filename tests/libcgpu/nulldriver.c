@@ -21,6 +21,26 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice d)
 }
 EXPORT CUresult cuCtxSetCurrent(CUcontext c) { (void)c; return CUDA_SUCCESS; }
 EXPORT CUresult cuCtxGetDevice(CUdevice *d) { *d = 0; return CUDA_SUCCESS; }
+EXPORT CUresult cuCtxGetCurrent(CUcontext *c)
+{
+    *c = (CUcontext)(uintptr_t)1;
+    return CUDA_SUCCESS;
+}
+/* Events for libcgpu's in-flight markers: nothing is ever outstanding. */
+EXPORT CUresult cuEventCreate(CUevent *e, unsigned int flags)
+{
+    (void)flags;
+    *e = (CUevent)(uintptr_t)next_ptr++;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuEventRecord(CUevent e, CUstream s) { (void)e, (void)s; return CUDA_SUCCESS; }
+EXPORT CUresult cuEventSynchronize(CUevent e) { (void)e; return CUDA_SUCCESS; }
+EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *status)
+{
+    (void)s;
+    *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
 EXPORT CUresult cuCtxSynchronize(void) { return CUDA_SUCCESS; }
 EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d)
 {

@@ -18,6 +18,13 @@
  *                                    process list which libcgpu does not intercept,
  *                                    ever shows more than LIMIT in use)
  *   bench-launch COUNT NAME  (prints ns per launch)   bench-alloc COUNT BYTES
+ *   queue COUNT NAME WHERE   (COUNT launches without waiting, then a sync; prints the
+ *                             milliseconds of both: the sync drains what was queued.
+ *                             WHERE: null, ptsz (cuLaunchKernel_ptsz, NULL), perthread
+ *                             (CU_STREAM_PER_THREAD), stream (created), launchex, graph
+ *                             (a one-kernel graph launched COUNT times))
+ *   churn ROUNDS             (per round a stream created, used and destroyed; every
+ *                             tenth round a context too)
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -273,6 +280,95 @@ static CUresult launch(const char *how, CUfunction f)
     return api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
 }
 
+/* COUNT launches of NAME on WHERE, timed; then the sync, timed. Exported symbols. */
+static CUresult queue_op(unsigned long long count, const char *name, const char *where)
+{
+    CUfunction f = function_named(name);
+    CUstream stream = NULL;
+    CUgraphExec exec = NULL;
+    CUresult rc = f ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+    if (rc == CUDA_SUCCESS && (strcmp(where, "stream") == 0 || strcmp(where, "graph") == 0))
+        rc = cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+    if (rc == CUDA_SUCCESS && strcmp(where, "graph") == 0) {
+        CUgraph graph;
+        rc = cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+        if (rc == CUDA_SUCCESS)
+            rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        if (rc == CUDA_SUCCESS)
+            rc = cuStreamEndCapture(stream, &graph);
+        if (rc == CUDA_SUCCESS)
+            rc = cuGraphInstantiateWithFlags(&exec, graph, 0);
+    }
+    uint64_t t0 = now_ns();
+    for (unsigned long long k = 0; k < count && rc == CUDA_SUCCESS; k++) {
+        if (strcmp(where, "ptsz") == 0) {
+            rc = cuLaunchKernel_ptsz(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        } else if (strcmp(where, "launchex") == 0) {
+            rc = launch("launchex", f);
+        } else if (strcmp(where, "graph") == 0) {
+            rc = cuGraphLaunch(exec, stream);
+        } else {
+            CUstream s = strcmp(where, "perthread") == 0 ? CU_STREAM_PER_THREAD : stream;
+            rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        }
+    }
+    uint64_t t1 = now_ns();
+    if (rc == CUDA_SUCCESS)
+        rc = stream != NULL ? cuStreamSynchronize(stream) : cuCtxSynchronize();
+    uint64_t t2 = now_ns();
+    if (stream != NULL && rc == CUDA_SUCCESS)
+        rc = cuStreamDestroy(stream);
+    printf("queue %llu %s issue_ms=%.1f sync_ms=%.1f rc=%d\n", count, where,
+           (double)(t1 - t0) / 1e6, (double)(t2 - t1) / 1e6, (int)rc);
+    return rc;
+}
+
+/* Streams and contexts created, used and destroyed, as long-running servers do. */
+static CUresult churn_op(unsigned long long rounds)
+{
+    CUfunction f = function_named("sleep_0");
+    CUresult rc = f ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+    const char *step = "function";
+    for (unsigned long long k = 0; k < rounds && rc == CUDA_SUCCESS; k++) {
+        CUcontext ctx = NULL, popped;
+        CUfunction fn = f;
+        CUstream stream;
+        if (k % 10 == 0) {
+            step = "cuCtxCreate";
+            rc = cuCtxCreate(&ctx, 0, device);
+            if (rc == CUDA_SUCCESS) { /* a function belongs to its context's module */
+                CUmodule mod;
+                step = "module";
+                rc = api.moduleLoadData(&mod, kernels_ptx);
+                if (rc == CUDA_SUCCESS)
+                    rc = api.moduleGetFunction(&fn, mod, "sleep_0");
+            }
+        }
+        if (rc == CUDA_SUCCESS) {
+            step = "cuStreamCreate";
+            rc = cuStreamCreate(&stream, 0);
+        }
+        for (int i = 0; i < 20 && rc == CUDA_SUCCESS; i++) {
+            step = "cuLaunchKernel";
+            rc = cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, i % 2 ? stream : NULL, NULL, NULL);
+        }
+        if (rc == CUDA_SUCCESS) {
+            step = "cuStreamDestroy";
+            rc = cuStreamDestroy(stream);
+        }
+        if (rc == CUDA_SUCCESS && ctx != NULL) {
+            step = "cuCtxDestroy";
+            rc = cuCtxPopCurrent(&popped);
+            if (rc == CUDA_SUCCESS)
+                rc = cuCtxDestroy(ctx);
+        }
+    }
+    if (rc != CUDA_SUCCESS)
+        printf("churn failed at %s\n", step);
+    printf("churn %llu rc=%d\n", rounds, (int)rc);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     int i = 1;
@@ -453,6 +549,12 @@ int main(int argc, char **argv)
                 }
             }
             printf("race ok=%llu refused=%llu\n", ok, refused);
+        } else if (strcmp(op, "queue") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            const char *name = argv[++i < argc ? i : argc - 1];
+            queue_op(n, name, argv[++i < argc ? i : argc - 1]);
+        } else if (strcmp(op, "churn") == 0) {
+            churn_op(arg_u64(argv, ++i, argc));
         } else if (strcmp(op, "bench-launch") == 0) {
             unsigned long long n = arg_u64(argv, ++i, argc);
             CUfunction f = function_named(argv[++i < argc ? i : argc - 1]);

@@ -1,0 +1,306 @@
+/*
+ * flight.c: bound the work a process has queued on each stream.
+ *
+ * The gate acts when a kernel is launched, but a driver accepts about a
+ * thousand launches per stream before the caller blocks, so without a bound
+ * a process could keep the GPU busy for seconds after its gate closed. Here,
+ * per (context, stream), every K-th successful launch records a marker (a
+ * pooled CU_EVENT_DISABLE_TIMING event) behind it, and when M markers are
+ * outstanding the launching thread first waits for the oldest with
+ * cuEventSynchronize (as the context's own synchronizations wait). So at most
+ * (M+1)*K - 1 launches of a stream are queued between calls: with the bound
+ * N = gpu.max_inflight (or $CGPU_MAX_INFLIGHT), K = ceil(N/4) and
+ * M = ceil(N/K) - 1, which is N - 1 for N = 16 (K = 4, M = 3). A graph
+ * launch counts as one launch. The wait counts as `pending` in the process
+ * slot, like a wait at the gate, so the daemon sees the container active.
+ *
+ * Streams: the legacy default stream (NULL, CU_STREAM_LEGACY) per context,
+ * the per-thread default stream (the _ptsz entry points with NULL, or
+ * CU_STREAM_PER_THREAD) per context and thread, and created streams. Events
+ * are created and recorded in the context current at the launch (a launch
+ * only succeeds on a stream of that context). Launches into a stream that is
+ * being captured queue nothing and get no marker; the markers are recorded
+ * and waited for in relaxed capture mode where the driver has it, so a
+ * capture elsewhere is not disturbed. A failed record or wait only drops the
+ * marker, never fails the launch.
+ *
+ * The fast path (no marker due): one driver call (cuCtxGetCurrent), a
+ * thread-local cache probe and one relaxed atomic add. Entries live in a
+ * fixed table; a destroyed stream's entry keeps its context's events for the
+ * next stream of that context, a destroyed context's entries forget theirs.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "flight.h"
+
+#define FLIGHT_ENTRIES 512
+#define FLIGHT_SLOTS 4 /* events per entry: M <= FLIGHT_SLOTS - 1 outstanding */
+#define CACHE_WAYS 8
+#define STREAM_RETIRED UINTPTR_MAX /* the entry's stream was destroyed */
+#define ENV_UNREAD (-2)
+#define ENV_UNSET (-1)
+/* Not CU_EVENT_BLOCKING_SYNC: on an H200 such a marker every 4 launches cost
+ * 1 % of the throughput of 50 us kernels (an interrupt per marker, and a
+ * wake-up that lets the queue run dry), a plain one 0.1 %. Waiting for a
+ * plain event follows the context's scheduling flags, as the program's own
+ * synchronizations do (spin, yield, or block with
+ * cudaDeviceScheduleBlockingSync). */
+#define FLIGHT_EVENT_FLAGS CU_EVENT_DISABLE_TIMING
+
+struct cgpu_flight_driver cgpu_flight_cu;
+
+struct flight {
+    /* The key: written under table_lock and the entry's lock, read without
+     * either by the fast path (a stale read only costs a slow lookup). */
+    uintptr_t ctx; /* 0 = free entry */
+    uintptr_t stream;
+    uintptr_t owner;  /* per-thread default stream: the thread's token, else 0 */
+    uint32_t since;   /* launches since the last marker */
+    pthread_mutex_t lock; /* the markers below */
+    unsigned head, count;
+    int broken; /* recording failed: this stream goes unbounded */
+    CUevent ev[FLIGHT_SLOTS];
+};
+
+static struct flight table[FLIGHT_ENTRIES] = {
+    [0 ... FLIGHT_ENTRIES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER},
+};
+static unsigned table_used; /* entries [0, table_used) have been claimed at some time */
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static int env_bound = ENV_UNREAD;
+
+static __thread struct flight *cache[CACHE_WAYS];
+static __thread char thread_token; /* its address names the thread */
+
+static int read_env_bound(void)
+{
+    const char *text = getenv("CGPU_MAX_INFLIGHT");
+    int bound = ENV_UNSET;
+    if (text != NULL && text[0] != '\0') {
+        char *end;
+        unsigned long v = strtoul(text, &end, 10);
+        if (*end != '\0' || text[0] == '-' || v > (1ul << 30))
+            cgpu_log("CGPU_MAX_INFLIGHT=%s is not a number of launches; the region's bound "
+                     "applies", text);
+        else
+            bound = (int)v;
+    }
+    __atomic_store_n(&env_bound, bound, __ATOMIC_RELAXED);
+    return bound;
+}
+
+static inline uint32_t bound_of(const struct cgpu_region *r, int g)
+{
+    int e = __atomic_load_n(&env_bound, __ATOMIC_RELAXED);
+    if (cgpu_unlikely(e == ENV_UNREAD))
+        e = read_env_bound();
+    return e >= 0 ? (uint32_t)e : __atomic_load_n(&r->gpu[g].max_inflight, __ATOMIC_RELAXED);
+}
+
+static inline uint32_t launches_per_marker(uint32_t bound)
+{
+    return (bound + FLIGHT_SLOTS - 1) / FLIGHT_SLOTS;
+}
+
+static inline int key_is(const struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owner)
+{
+    return __atomic_load_n(&f->ctx, __ATOMIC_RELAXED) == ctx &&
+           __atomic_load_n(&f->stream, __ATOMIC_RELAXED) == s &&
+           __atomic_load_n(&f->owner, __ATOMIC_RELAXED) == owner;
+}
+
+/* Caller holds table_lock and f->lock. */
+static void set_key(struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owner)
+{
+    __atomic_store_n(&f->ctx, ctx, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->stream, s, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->owner, owner, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->since, 0, __ATOMIC_RELAXED);
+    f->head = f->count = 0;
+    f->broken = 0;
+}
+
+/* The entry of a key, claimed if new: a retired entry of the same context
+ * first (its events are that context's), then a free one. NULL when full. */
+static struct flight *find_or_claim(uintptr_t ctx, uintptr_t s, uintptr_t owner)
+{
+    static int said_full;
+    struct flight *hit = NULL, *retired = NULL, *free_entry = NULL;
+    pthread_mutex_lock(&table_lock);
+    for (unsigned i = 0; i < table_used && hit == NULL; i++) {
+        struct flight *f = &table[i];
+        if (key_is(f, ctx, s, owner))
+            hit = f;
+        else if (retired == NULL && f->ctx == ctx && f->stream == STREAM_RETIRED)
+            retired = f;
+        else if (free_entry == NULL && f->ctx == 0)
+            free_entry = f;
+    }
+    if (hit == NULL) {
+        hit = retired != NULL ? retired : free_entry;
+        if (hit == NULL && table_used < FLIGHT_ENTRIES)
+            hit = &table[table_used++];
+        if (hit != NULL) {
+            pthread_mutex_lock(&hit->lock);
+            if (hit != retired)
+                memset(hit->ev, 0, sizeof hit->ev);
+            set_key(hit, ctx, s, owner);
+            pthread_mutex_unlock(&hit->lock);
+        } else if (!__atomic_exchange_n(&said_full, 1, __ATOMIC_RELAXED)) {
+            cgpu_log("more than %d streams in use: launches on the others are not bounded",
+                     FLIGHT_ENTRIES);
+        }
+    }
+    pthread_mutex_unlock(&table_lock);
+    return hit;
+}
+
+static inline struct flight *lookup(uintptr_t ctx, uintptr_t s, uintptr_t owner)
+{
+    unsigned way = (unsigned)((ctx >> 4) ^ (s >> 4) ^ s ^ (owner >> 4)) % CACHE_WAYS;
+    struct flight *f = cache[way];
+    if (cgpu_likely(f != NULL && key_is(f, ctx, s, owner)))
+        return f;
+    f = find_or_claim(ctx, s, owner);
+    cache[way] = f;
+    return f;
+}
+
+static int capturing(uintptr_t s)
+{
+    CUstreamCaptureStatus status;
+    if (cgpu_flight_cu.stream_is_capturing == NULL)
+        return 0;
+    /* an error (the legacy stream while another is captured) counts as capturing */
+    return cgpu_flight_cu.stream_is_capturing((CUstream)s, &status) != CUDA_SUCCESS ||
+           status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+/* Wait for the oldest marker of f (held), counted as pending on GPU g. */
+static void wait_oldest(struct flight *f, int g)
+{
+    CUevent ev = f->ev[f->head];
+    f->head = (f->head + 1) % FLIGHT_SLOTS;
+    f->count--;
+    if (ev == NULL || cgpu_flight_cu.event_synchronize == NULL)
+        return;
+    struct cgpu_proc *me = cgpu_slot();
+    if (me != NULL)
+        __atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
+    cgpu_flight_cu.event_synchronize(ev); /* an error drops the marker */
+    if (me != NULL)
+        __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
+}
+
+/* Record a marker behind the last launch of f (held) on stream s. */
+static void record(struct flight *f, uintptr_t s)
+{
+    unsigned slot = (f->head + f->count) % FLIGHT_SLOTS;
+    if (f->ev[slot] == NULL) {
+        CUevent ev;
+        if (cgpu_flight_cu.event_create == NULL ||
+            cgpu_flight_cu.event_create(&ev, FLIGHT_EVENT_FLAGS) != CUDA_SUCCESS)
+            return;
+        f->ev[slot] = ev;
+    }
+    if (cgpu_flight_cu.event_record == NULL ||
+        cgpu_flight_cu.event_record(f->ev[slot], (CUstream)s) != CUDA_SUCCESS) {
+        f->broken = 1; /* not this stream's context, or the driver refuses: no bound */
+        return;
+    }
+    f->count++;
+}
+
+static void mark(struct flight *f, uint32_t bound, int g, uintptr_t ctx, uintptr_t s,
+                 uintptr_t owner)
+{
+    uint32_t every = launches_per_marker(bound);
+    uint32_t markers = (bound + every - 1) / every - 1;
+    if (markers < 1)
+        markers = 1;
+    pthread_mutex_lock(&f->lock);
+    if (!key_is(f, ctx, s, owner) || f->broken ||
+        __atomic_load_n(&f->since, __ATOMIC_RELAXED) < every) {
+        pthread_mutex_unlock(&f->lock);
+        return;
+    }
+    __atomic_store_n(&f->since, 0, __ATOMIC_RELAXED);
+    if (!capturing(s)) {
+        CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        int exchanged = cgpu_flight_cu.exchange_capture_mode != NULL &&
+                        cgpu_flight_cu.exchange_capture_mode(&mode) == CUDA_SUCCESS;
+        while (f->count >= markers)
+            wait_oldest(f, g);
+        record(f, s);
+        if (exchanged)
+            cgpu_flight_cu.exchange_capture_mode(&mode);
+    }
+    pthread_mutex_unlock(&f->lock);
+}
+
+void cgpu_flight_launched(struct cgpu_region *r, int g, CUstream stream, int ptsz)
+{
+    uint32_t bound = bound_of(r, g);
+    CUcontext ctx;
+    if (bound == 0 || cgpu_flight_cu.ctx_get_current == NULL ||
+        cgpu_flight_cu.ctx_get_current(&ctx) != CUDA_SUCCESS || ctx == NULL)
+        return;
+    uintptr_t s = (uintptr_t)stream, owner = 0;
+    if (s == (uintptr_t)CU_STREAM_LEGACY)
+        s = 0;
+    else if (s == 0 && ptsz)
+        s = (uintptr_t)CU_STREAM_PER_THREAD;
+    if (s == (uintptr_t)CU_STREAM_PER_THREAD)
+        owner = (uintptr_t)&thread_token;
+    struct flight *f = lookup((uintptr_t)ctx, s, owner);
+    if (f == NULL)
+        return;
+    if (__atomic_add_fetch(&f->since, 1, __ATOMIC_RELAXED) >= launches_per_marker(bound))
+        mark(f, bound, g, (uintptr_t)ctx, s, owner);
+}
+
+void cgpu_flight_forget_ctx(CUcontext ctx)
+{
+    pthread_mutex_lock(&table_lock);
+    for (unsigned i = 0; i < table_used; i++) {
+        struct flight *f = &table[i];
+        if (f->ctx != (uintptr_t)ctx || ctx == NULL)
+            continue;
+        pthread_mutex_lock(&f->lock);
+        set_key(f, 0, 0, 0);
+        memset(f->ev, 0, sizeof f->ev); /* destroyed with the context */
+        pthread_mutex_unlock(&f->lock);
+    }
+    pthread_mutex_unlock(&table_lock);
+}
+
+void cgpu_flight_forget_stream(CUstream stream)
+{
+    uintptr_t s = (uintptr_t)stream;
+    if (s == 0 || s == (uintptr_t)CU_STREAM_LEGACY || s == (uintptr_t)CU_STREAM_PER_THREAD)
+        return;
+    pthread_mutex_lock(&table_lock);
+    for (unsigned i = 0; i < table_used; i++) {
+        struct flight *f = &table[i];
+        if (f->stream != s)
+            continue;
+        pthread_mutex_lock(&f->lock);
+        set_key(f, f->ctx, STREAM_RETIRED, 0); /* the events stay, for this context */
+        pthread_mutex_unlock(&f->lock);
+    }
+    pthread_mutex_unlock(&table_lock);
+}
+
+void cgpu_flight_after_fork(void)
+{
+    pthread_mutex_init(&table_lock, NULL);
+    for (unsigned i = 0; i < FLIGHT_ENTRIES; i++) {
+        pthread_mutex_init(&table[i].lock, NULL);
+        set_key(&table[i], 0, 0, 0);
+        memset(table[i].ev, 0, sizeof table[i].ev);
+    }
+    table_used = 0;
+}
