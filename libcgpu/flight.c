@@ -9,10 +9,20 @@
  * outstanding the launching thread first waits for the oldest with
  * cuEventSynchronize (as the context's own synchronizations wait). So at most
  * (M+1)*K - 1 launches of a stream are queued between calls: with the bound
- * N = gpu.max_inflight (or $CGPU_MAX_INFLIGHT), K = ceil(N/4) and
- * M = ceil(N/K) - 1, which is N - 1 for N = 16 (K = 4, M = 3). A graph
- * launch counts as one launch. The wait counts as `pending` in the process
- * slot, like a wait at the gate, so the daemon sees the container active.
+ * N, K = ceil(N/4) and M = ceil(N/K) - 1, which is N - 1 for N = 16 (K = 4,
+ * M = 3). A graph launch counts as one launch. The wait counts as `pending`
+ * in the process slot, like a wait at the gate, so the daemon sees the
+ * container active.
+ *
+ * N is gpu.max_inflight (or $CGPU_MAX_INFLIGHT), lowered for long kernels:
+ * what counts for the scheduler is how long queued work keeps the GPU after
+ * a gate closes, so N is also held to FLIGHT_DRAIN_NS of queued work (at
+ * least 2 launches). The time per launch is measured on the stream itself:
+ * when a wait for marker j blocked and so did the wait for marker j-1, the
+ * launches between them ran in the time between the two completions (that
+ * includes other processes' kernels run in between, so a process sharing a
+ * busy GPU keeps less queued, and the GPU's total queue stays about
+ * FLIGHT_DRAIN_NS however many processes share it).
  *
  * Streams: the legacy default stream (NULL, CU_STREAM_LEGACY) per context,
  * the per-thread default stream (the _ptsz entry points with NULL, or
@@ -42,6 +52,9 @@
 #define STREAM_RETIRED UINTPTR_MAX /* the entry's stream was destroyed */
 #define ENV_UNREAD (-2)
 #define ENV_UNSET (-1)
+#define FLIGHT_DRAIN_NS 4000000ull /* queued work per stream, at most about (4 ms) */
+#define FLIGHT_MIN_BOUND 2u
+#define FLIGHT_PROBE_LAUNCHES 64u /* at the bound's minimum while the time is unknown */
 /* Not CU_EVENT_BLOCKING_SYNC: on an H200 such a marker every 4 launches cost
  * 1 % of the throughput of 50 us kernels (an interrupt per marker, and a
  * wake-up that lets the queue run dry), a plain one 0.1 %. Waiting for a
@@ -59,10 +72,16 @@ struct flight {
     uintptr_t stream;
     uintptr_t owner;  /* per-thread default stream: the thread's token, else 0 */
     uint32_t since;   /* launches since the last marker */
-    pthread_mutex_t lock; /* the markers below */
+    uint32_t every;   /* K now: launches per marker (0 = not yet decided) */
+    pthread_mutex_t lock; /* the rest */
     unsigned head, count;
     int broken; /* recording failed: this stream goes unbounded */
+    uint64_t per_launch_ns; /* measured time per launch, 0 = not yet known */
+    uint32_t probed;        /* launches marked while per_launch_ns was unknown */
+    uint64_t last_done_ns;  /* when a blocking wait saw the previous marker complete, or 0 */
+    uint32_t done_since;    /* launches of markers found complete since last_done_ns */
     CUevent ev[FLIGHT_SLOTS];
+    uint32_t launches[FLIGHT_SLOTS]; /* launches behind each outstanding marker */
 };
 
 static struct flight table[FLIGHT_ENTRIES] = {
@@ -119,8 +138,11 @@ static void set_key(struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owne
     __atomic_store_n(&f->stream, s, __ATOMIC_RELAXED);
     __atomic_store_n(&f->owner, owner, __ATOMIC_RELAXED);
     __atomic_store_n(&f->since, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->every, 0, __ATOMIC_RELAXED);
     f->head = f->count = 0;
     f->broken = 0;
+    f->per_launch_ns = f->last_done_ns = 0;
+    f->probed = f->done_since = 0;
 }
 
 /* The entry of a key, claimed if new: a retired entry of the same context
@@ -179,24 +201,58 @@ static int capturing(uintptr_t s)
            status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-/* Wait for the oldest marker of f (held), counted as pending on GPU g. */
+/* The bound of f (held) now: `bound`, or less for long kernels. A new stream
+ * starts at the minimum, so long kernels never pile up before they are
+ * measured; one whose waits never block (the GPU keeps up) gets `bound`
+ * after FLIGHT_PROBE_LAUNCHES launches, since a marker per launch costs. */
+static uint32_t effective_bound(const struct flight *f, uint32_t bound)
+{
+    if (f->per_launch_ns == 0)
+        return f->probed < FLIGHT_PROBE_LAUNCHES && bound > FLIGHT_MIN_BOUND ? FLIGHT_MIN_BOUND
+                                                                           : bound;
+    uint64_t n = FLIGHT_DRAIN_NS / f->per_launch_ns;
+    if (n < FLIGHT_MIN_BOUND)
+        n = FLIGHT_MIN_BOUND;
+    return n < bound ? (uint32_t)n : bound;
+}
+
+/* Wait for the oldest marker of f (held), counted as pending on GPU g. A
+ * wait that blocks measures the time per launch since the last one that
+ * blocked: the launches of the markers in between were queued before it
+ * ended (markers are recorded before older ones are waited for), so the
+ * stream was busy with them all along. */
 static void wait_oldest(struct flight *f, int g)
 {
     CUevent ev = f->ev[f->head];
+    uint32_t launches = f->launches[f->head];
     f->head = (f->head + 1) % FLIGHT_SLOTS;
     f->count--;
-    if (ev == NULL || cgpu_flight_cu.event_synchronize == NULL)
+    if (ev == NULL || cgpu_flight_cu.event_synchronize == NULL) {
+        f->last_done_ns = 0;
         return;
+    }
+    if (cgpu_flight_cu.event_query != NULL && cgpu_flight_cu.event_query(ev) == CUDA_SUCCESS) {
+        f->done_since += launches; /* done already: counted in the next blocking wait */
+        return;
+    }
     struct cgpu_proc *me = cgpu_slot();
     if (me != NULL)
         __atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
-    cgpu_flight_cu.event_synchronize(ev); /* an error drops the marker */
+    CUresult rc = cgpu_flight_cu.event_synchronize(ev); /* an error drops the marker */
     if (me != NULL)
         __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
+    uint64_t now = cgpu_now_ns();
+    launches += f->done_since;
+    if (rc == CUDA_SUCCESS && f->last_done_ns != 0 && launches > 0 && now > f->last_done_ns) {
+        uint64_t sample = (now - f->last_done_ns) / launches;
+        f->per_launch_ns = f->per_launch_ns ? (f->per_launch_ns + sample) / 2 : sample;
+    }
+    f->last_done_ns = rc == CUDA_SUCCESS ? now : 0;
+    f->done_since = 0;
 }
 
 /* Record a marker behind the last launch of f (held) on stream s. */
-static void record(struct flight *f, uintptr_t s)
+static void record(struct flight *f, uintptr_t s, uint32_t launches)
 {
     unsigned slot = (f->head + f->count) % FLIGHT_SLOTS;
     if (f->ev[slot] == NULL) {
@@ -211,33 +267,40 @@ static void record(struct flight *f, uintptr_t s)
         f->broken = 1; /* not this stream's context, or the driver refuses: no bound */
         return;
     }
+    f->launches[slot] = launches;
     f->count++;
 }
 
 static void mark(struct flight *f, uint32_t bound, int g, uintptr_t ctx, uintptr_t s,
                  uintptr_t owner)
 {
-    uint32_t every = launches_per_marker(bound);
-    uint32_t markers = (bound + every - 1) / every - 1;
-    if (markers < 1)
-        markers = 1;
     pthread_mutex_lock(&f->lock);
+    uint32_t since = __atomic_load_n(&f->since, __ATOMIC_RELAXED);
     if (!key_is(f, ctx, s, owner) || f->broken ||
-        __atomic_load_n(&f->since, __ATOMIC_RELAXED) < every) {
+        since < __atomic_load_n(&f->every, __ATOMIC_RELAXED)) {
         pthread_mutex_unlock(&f->lock);
         return;
     }
     __atomic_store_n(&f->since, 0, __ATOMIC_RELAXED);
-    if (!capturing(s)) {
+    if (f->per_launch_ns == 0 && f->probed < FLIGHT_PROBE_LAUNCHES)
+        f->probed += since;
+    uint32_t n = effective_bound(f, bound), every = launches_per_marker(n);
+    uint32_t markers = (n + every - 1) / every - 1;
+    if (markers < 1)
+        markers = 1;
+    if (since > 0 && !capturing(s)) {
         CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
         int exchanged = cgpu_flight_cu.exchange_capture_mode != NULL &&
                         cgpu_flight_cu.exchange_capture_mode(&mode) == CUDA_SUCCESS;
         while (f->count >= markers)
             wait_oldest(f, g);
-        record(f, s);
+        record(f, s, since);
         if (exchanged)
             cgpu_flight_cu.exchange_capture_mode(&mode);
     }
+    /* launches until the next marker, from what the waits measured */
+    __atomic_store_n(&f->every, launches_per_marker(effective_bound(f, bound)),
+                     __ATOMIC_RELAXED);
     pthread_mutex_unlock(&f->lock);
 }
 
@@ -258,7 +321,8 @@ void cgpu_flight_launched(struct cgpu_region *r, int g, CUstream stream, int pts
     struct flight *f = lookup((uintptr_t)ctx, s, owner);
     if (f == NULL)
         return;
-    if (__atomic_add_fetch(&f->since, 1, __ATOMIC_RELAXED) >= launches_per_marker(bound))
+    if (__atomic_add_fetch(&f->since, 1, __ATOMIC_RELAXED) >=
+        __atomic_load_n(&f->every, __ATOMIC_RELAXED))
         mark(f, bound, g, (uintptr_t)ctx, s, owner);
 }
 

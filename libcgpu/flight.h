@@ -23,6 +23,7 @@ struct cgpu_flight_driver {
     __typeof__(&cuEventCreate) event_create;
     __typeof__(&cuEventRecord) event_record;
     __typeof__(&cuEventSynchronize) event_synchronize;
+    __typeof__(&cuEventQuery) event_query;
     __typeof__(&cuStreamIsCapturing) stream_is_capturing;
     CUresult (*exchange_capture_mode)(CUstreamCaptureMode *mode); /* optional */
 };

@@ -131,6 +131,7 @@ static struct hook hooks[] = {
     {"cuEventCreate", NULL, (void **)&cgpu_flight_cu.event_create, LIB_CUDA},
     {"cuEventRecord", NULL, (void **)&cgpu_flight_cu.event_record, LIB_CUDA},
     {"cuEventSynchronize", NULL, (void **)&cgpu_flight_cu.event_synchronize, LIB_CUDA},
+    {"cuEventQuery", NULL, (void **)&cgpu_flight_cu.event_query, LIB_CUDA},
     {"cuStreamIsCapturing", NULL, (void **)&cgpu_flight_cu.stream_is_capturing, LIB_CUDA},
     {"cuThreadExchangeStreamCaptureMode", NULL, (void **)&cgpu_flight_cu.exchange_capture_mode,
      LIB_CUDA},

@@ -33,8 +33,17 @@ KERNELS_US = (50, 1000, 5000, 20000)
 PROCS = (1, 4, 8)
 WEIGHTS = (1, 2)
 # simgpu keeps its default launch queue (1024); libcgpu bounds each process's
-# queue to the region's max_inflight, which the engine model takes as its depth.
+# queue to the region's max_inflight, and to about 4 ms of queued work as it
+# measures it (what the stream drains per launch, other processes' kernels
+# included): the engine model's queue depth follows the same rule.
 QUEUE_DEPTH = region_mod.DEFAULT_MAX_INFLIGHT
+DRAIN_S = 0.004
+
+
+def model_depth(us: int, procs: int) -> int:
+    """libcgpu's bound for `us` kernels with `procs` processes per container, both busy."""
+    per_launch = us / 1e6 * 2 * procs
+    return max(2, min(QUEUE_DEPTH, int(DRAIN_S / per_launch)))
 PERIOD = 0.02
 
 
@@ -46,7 +55,7 @@ def window_for(us: int, quick: bool) -> float:
 def model_ratio(us: int, procs: int, seconds: float) -> float:
     config = GpuConfig(policy=Policy.WEIGHTED, containers={
         "c1": ContainerSpec(WEIGHTS[0]), "c2": ContainerSpec(WEIGHTS[1])})
-    engine = EngineSim([SimProcess(name, us / 1e6, QUEUE_DEPTH)
+    engine = EngineSim([SimProcess(name, us / 1e6, model_depth(us, procs))
                         for name in ("c1", "c2") for _ in range(procs)])
     scheduler = GateScheduler(config, period=PERIOD)
     start: dict[str, float] = {}
@@ -83,8 +92,8 @@ class Tree:
 
 def share_table(base: Path, tree: Tree | None, quick: bool) -> None:
     print("Compute shares: policy 2 (weight-based), weights 1:2, target ratio 2.00")
-    print(f"(simgpu queue 1024, libcgpu in-flight bound {QUEUE_DEPTH} launches per process, "
-          f"period {PERIOD * 1000:.0f} ms)")
+    print(f"(simgpu queue 1024, libcgpu in-flight bound {QUEUE_DEPTH} launches per process and "
+          f"about {DRAIN_S * 1000:.0f} ms, period {PERIOD * 1000:.0f} ms)")
     head = (f"{'kernel':>8} {'procs':>5} | {'ctr1 k/s':>9} {'ctr2 k/s':>9} {'ratio':>6} "
             f"{'target':>6} {'error':>7} | {'model ratio':>11} {'error':>7}")
     print(head)

@@ -1,6 +1,7 @@
 """The in-flight bound on simgpu with its default launch queue (1024 per stream):
-a process keeps about `max_inflight` launches queued per stream, on every kind
-of stream, so a closed gate takes effect within a few kernels."""
+a process keeps at most about `max_inflight` launches, and about 4 ms of
+work, queued per stream, on every kind of stream, so a closed gate takes
+effect within a few kernels."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def queue(sandbox: Sandbox, count: int, where: str = "null", *ops: str, managed:
 def test_queue_is_bounded_on_every_stream_kind(sandbox: Sandbox, where: str) -> None:
     sandbox.make_region(0)
     got = queue(sandbox, 40, where)
-    # what is still queued when the loop ends drains in the sync: at most BOUND kernels
-    assert got["sync_ms"] < (BOUND + 4) * KERNEL_MS, got
-    assert got["issue_ms"] > (40 - BOUND - 4) * KERNEL_MS, got
+    # what is still queued when the loop ends drains in the sync: 5 ms kernels are long,
+    # so about 4 ms of them (two launches at least), not BOUND
+    assert got["sync_ms"] < 4 * KERNEL_MS, got
+    assert got["issue_ms"] > (40 - 4) * KERNEL_MS, got
 
 
 def test_zero_means_unbounded_and_env_overrides(sandbox: Sandbox) -> None:
