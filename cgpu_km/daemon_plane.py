@@ -127,6 +127,7 @@ class RegionPlane:
         self.nvml = nvml
         self.regions: dict[str, _Attached] = {}
         self.keys: dict[Key, tuple[region_mod.Region, int]] = {}
+        self._containers: Mapping[int, Set[str]] = {}
         self._launches: dict[Key, int] = {}
         self._usage: dict[Key, float] = {}
         self._pid_cache: dict[int, tuple[int, int] | None] = {}
@@ -138,6 +139,7 @@ class RegionPlane:
     # -- regions --
 
     def attach(self, containers: Mapping[int, Set[str]]) -> None:
+        self._containers = containers
         names = {name for gpu_names in containers.values() for name in gpu_names}
         for name in set(self.regions) - names:
             self.regions.pop(name).region.close()
@@ -205,7 +207,13 @@ class RegionPlane:
     def sample(self) -> PlaneSample:
         busy = self.nvml.busy_by_pid() if self.nvml is not None else {}
         self._samples += 1
-        procs_by_name = self._processes(every=self._samples % FULL_SCAN_EVERY == 1)
+        full_scan = self._samples % FULL_SCAN_EVERY == 1
+        if full_scan and any(name not in self.regions
+                             for names in self._containers.values() for name in names):
+            # cgpu-run and the hook register a container before they create its
+            # region: look again for the regions that were missing at attach.
+            self.attach(self._containers)
+        procs_by_name = self._processes(every=full_scan)
         owners = self._containers_of(set(busy), procs_by_name)
         usage: dict[Key, float] = {}
         for gpu_pid, seconds in busy.items():
