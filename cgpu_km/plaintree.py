@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from cgpu_km.nodes import MAX_GPUS, NODES_BY_LEVEL, Kind, Level
-from cgpu_km.tree import ControlTree, TreeError
+from cgpu_km.nodes import NODES_BY_LEVEL, Kind, Level
+from cgpu_km.tree import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
 
 STAGING = ".staging"
 PARTIAL_COMMAND_WAIT = 0.1  # seconds of quiet after which a line without newline is taken
@@ -256,11 +256,7 @@ def log(message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cgpu-plaintree", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default="/run/cgpu_km", help="folder (default %(default)s)")
-    parser.add_argument("--gpus", type=int, default=1, help=f"GPU directories, 1..{MAX_GPUS}")
-    parser.add_argument("--policy", type=int, default=1, help="initial policy, 0..5")
-    parser.add_argument("--max-inst", type=int, default=16, help="initial max_inst, 1..25")
-    parser.add_argument("--prio-ratio", type=int, default=80, help="initial prio_ratio, 20..99")
-    parser.add_argument("--gpu-memory", default="", help="comma list of each GPU's total bytes")
+    add_tree_arguments(parser)
     parser.add_argument("--interval", type=float, default=0.02, help="poll seconds")
     return parser
 
@@ -268,9 +264,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        memory = tuple(int(x) for x in args.gpu_memory.split(",") if x)
-        tree = ControlTree(args.gpus, policy=args.policy, max_inst=args.max_inst,
-                           prio_ratio=args.prio_ratio, gpu_memory=memory)
+        tree = tree_from_arguments(args)
         if not 0 < args.interval <= 1:
             raise ValueError(f"--interval must be in (0, 1] seconds, not {args.interval}")
     except ValueError as error:

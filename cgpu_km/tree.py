@@ -26,6 +26,7 @@ them too):
 
 from __future__ import annotations
 
+import argparse
 import errno
 import re
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from cgpu_km.nodes import (
     ID_MAX_LEN,
     INST_CTL_USAGE,
     LEGACY_ID_LEN,
+    MAX_GPUS,
     MAX_INST,
     NODES_BY_LEVEL,
     U64_MAX,
@@ -424,3 +426,22 @@ def _check_max_inst(entry: Entry, value: int) -> None:
 # The apply hooks of the generic write path, like null_blk's: a node with a
 # rule beyond its range validates here, before the value is stored.
 _WRITE_CHECKS = {"weight": _check_weight, "max_inst": _check_max_inst}
+
+
+def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every server of the tree takes: its GPUs and initial values."""
+    parser.add_argument("--gpus", type=int, default=1, help=f"GPU directories, 1..{MAX_GPUS}")
+    parser.add_argument("--policy", type=int, default=1, help="initial policy, 0..5")
+    parser.add_argument("--max-inst", type=int, default=16, help="initial max_inst, 1..25")
+    parser.add_argument("--prio-ratio", type=int, default=80, help="initial prio_ratio, 20..99")
+    parser.add_argument(
+        "--gpu-memory", default="",
+        help="comma list of each GPU's total bytes, for meminfo of whole-device containers",
+    )
+
+
+def tree_from_arguments(args: argparse.Namespace) -> ControlTree:
+    """The tree that `add_tree_arguments`' options describe; ValueError names a bad one."""
+    memory = tuple(int(x) for x in args.gpu_memory.split(",") if x)
+    return ControlTree(args.gpus, policy=args.policy, max_inst=args.max_inst,
+                       prio_ratio=args.prio_ratio, gpu_memory=memory)

@@ -23,8 +23,7 @@ from typing import Any, NoReturn
 
 import fuse
 
-from cgpu_km.nodes import MAX_GPUS
-from cgpu_km.tree import ControlTree, TreeError
+from cgpu_km.tree import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
 
 FILE_SIZE = 4096
 DIR_MODE = 0o555
@@ -111,25 +110,14 @@ class ControlTreeFS(fuse.Operations):  # type: ignore[misc]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cgpu-fuse", description=__doc__.splitlines()[0])
     parser.add_argument("--root", default="/run/cgpu_km", help="mount point (default %(default)s)")
-    parser.add_argument("--gpus", type=int, default=1, help=f"GPU directories, 1..{MAX_GPUS}")
-    parser.add_argument("--policy", type=int, default=1, help="initial policy, 0..5")
-    parser.add_argument("--max-inst", type=int, default=16, help="initial max_inst, 1..25")
-    parser.add_argument("--prio-ratio", type=int, default=80, help="initial prio_ratio, 20..99")
-    parser.add_argument(
-        "--gpu-memory", default="",
-        help="comma list of each GPU's total bytes, for meminfo of whole-device containers",
-    )
+    add_tree_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        memory = tuple(int(x) for x in args.gpu_memory.split(",") if x)
-        tree = ControlTree(
-            args.gpus, policy=args.policy, max_inst=args.max_inst,
-            prio_ratio=args.prio_ratio, gpu_memory=memory,
-        )
+        tree = tree_from_arguments(args)
     except ValueError as error:
         print(f"cgpu-fuse: {error}", file=sys.stderr)
         return 2
