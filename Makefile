@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Packages every part of the test suite needs; kmod/Makefile adds its own.
-APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd gcc make
+APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd kmod util-linux gcc make
 
 C_DIRS := simgpu libcgpu
 
