@@ -1,9 +1,16 @@
-"""The per-container shared-memory region between the daemon and libcgpu.
+"""The per-container shared memory between the daemon and libcgpu.
 
 A ctypes mirror of `libcgpu/region.h` (a test compiles a probe against the
-header and compares every offset and size), plus the daemon's operations on
-it: create/open, limits, gates with futex wake-ups, the heartbeat, per-process
-views and the reclaim of slots whose process is gone.
+header and compares every offset and size), plus the operations on it of
+whoever creates a region (the OCI hook, `cgpu-run`) and of the daemon.
+
+A region is a directory of two files, in a folder only root can enter:
+
+- `control`: what the daemon decides (limits, gates, heartbeat, mode, OOM
+  script). Mode 0644; the hook bind-mounts it read-only into the container.
+- `account`: what the container's processes report, one slot each. Mode
+  0666 (a container's processes may run as any user); only the container
+  gets it, through a bind mount.
 
 The container total on a GPU is the sum of the process slots: no separate
 counter exists. The library's rules are described at the top of region.h.
@@ -15,15 +22,17 @@ import ctypes
 import mmap
 import os
 import platform
+import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MAGIC = 0x314E4F4947455243  # "CREGION1"
-VERSION = 2
+CONTROL_MAGIC = 0x334C544355504743  # "CGPUCTL3"
+ACCOUNT_MAGIC = 0x3354434155504743  # "CGPUACT3"
+VERSION = 3
 MAX_GPUS = 16
 MAX_PROCS = 256
 ID_LEN = 72
@@ -34,6 +43,7 @@ DEFAULT_GATE_TIMEOUT_NS = 2_000_000_000
 # the gate closes, the GPU runs at most this many more kernels per stream.
 DEFAULT_MAX_INFLIGHT = 16
 MAX_INFLIGHT_ENV = "CGPU_MAX_INFLIGHT"  # libcgpu: overrides the region's bound in a process
+CTX_MEASURE = 2**64 - 1  # ctx_bytes: libcgpu measures each context as it is made
 
 MODE_CGPU = 0
 MODE_EGPU = 1
@@ -50,10 +60,11 @@ SLOT_RECLAIMING = 3
 REGION_DIR_ENV = "CGPU_REGION_DIR"
 DEFAULT_REGION_DIR = "/run/cgpu_km-regions"
 REGION_ENV = "CGPU_REGION"
-CONTAINER_REGION_PATH = "/run/cgpu/region"  # libcgpu's default when $CGPU_REGION is unset
+CONTAINER_REGION_DIR = "/run/cgpu"  # where the hook mounts a container's two files
+CONTROL_NAME = "control"
+ACCOUNT_NAME = "account"
 CONTAINER_LIBRARY_PATH = "/usr/local/lib/cgpu/libcgpu.so"  # where the hook mounts the library
 CTX_BYTES_ENV = "CGPU_CTX_BYTES"
-SIMGPU_CONTEXT_MEM = 300 << 20  # simgpu's default context memory (SIMGPU_CONTEXT_MEM)
 
 
 class GpuEntry(ctypes.Structure):
@@ -63,10 +74,31 @@ class GpuEntry(ctypes.Structure):
         ("gate", ctypes.c_uint32),
         ("host_index", ctypes.c_uint32),
         ("gate_changes", ctypes.c_uint64),
+        ("close_seq", ctypes.c_uint64),
+        ("grant_ns", ctypes.c_uint64),
         ("uuid", ctypes.c_char * UUID_LEN),
         ("max_inflight", ctypes.c_uint32),
         ("reserved32", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint8 * 120),
+        ("reserved", ctypes.c_uint8 * 104),
+    )
+
+
+class ControlLayout(ctypes.Structure):
+    _fields_ = (
+        ("magic", ctypes.c_uint64),
+        ("version", ctypes.c_uint32),
+        ("size", ctypes.c_uint32),
+        ("ngpus", ctypes.c_uint32),
+        ("mode", ctypes.c_uint32),
+        ("heartbeat_ns", ctypes.c_uint64),
+        ("gate_timeout_ns", ctypes.c_uint64),
+        ("wake", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("created_ns", ctypes.c_uint64),
+        ("container_id", ctypes.c_char * ID_LEN),
+        ("oom_script", ctypes.c_char * PATH_LEN),
+        ("reserved", ctypes.c_uint8 * 128),
+        ("gpu", GpuEntry * MAX_GPUS),
     )
 
 
@@ -81,6 +113,12 @@ class ProcGpu(ctypes.Structure):
         ("contexts", ctypes.c_uint32),
         ("allocs", ctypes.c_uint64),
         ("oom_refusals", ctypes.c_uint64),
+        ("ctx_bytes", ctypes.c_uint64),
+        ("drained_seq", ctypes.c_uint64),
+        ("drained_ns", ctypes.c_uint64),
+        ("watching", ctypes.c_uint32),
+        ("reserved32", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 4),
     )
 
 
@@ -96,27 +134,21 @@ class ProcSlot(ctypes.Structure):
     )
 
 
-class RegionLayout(ctypes.Structure):
+class AccountLayout(ctypes.Structure):
     _fields_ = (
         ("magic", ctypes.c_uint64),
         ("version", ctypes.c_uint32),
         ("size", ctypes.c_uint32),
-        ("ngpus", ctypes.c_uint32),
-        ("mode", ctypes.c_uint32),
-        ("heartbeat_ns", ctypes.c_uint64),
-        ("gate_timeout_ns", ctypes.c_uint64),
         ("slots_used", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("created_ns", ctypes.c_uint64),
-        ("container_id", ctypes.c_char * ID_LEN),
-        ("oom_script", ctypes.c_char * PATH_LEN),
-        ("reserved", ctypes.c_uint8 * 128),
-        ("gpu", GpuEntry * MAX_GPUS),
+        ("reserved32", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 5),
+        ("doorbell", ctypes.c_uint32 * MAX_GPUS),
         ("proc", ProcSlot * MAX_PROCS),
     )
 
 
-REGION_SIZE = ctypes.sizeof(RegionLayout)
+CONTROL_SIZE = ctypes.sizeof(ControlLayout)
+ACCOUNT_SIZE = ctypes.sizeof(AccountLayout)
 
 
 class RegionError(Exception):
@@ -127,19 +159,21 @@ class RegionError(Exception):
 class GpuSpec:
     """One GPU of a container: its limit in bytes (0 = whole device), its
     UUID as NVML prints it ("" = match by ordinal), its host index, the
-    bytes charged for each process's context on it, and how many launches
-    per stream a process may keep queued (0 = unbounded)."""
+    bytes charged for each process's context on it (CTX_MEASURE: measured
+    by libcgpu as each context is made), and how many launches per stream a
+    process may keep queued (0 = unbounded)."""
 
     limit: int
     uuid: str = ""
     host_index: int = 0
-    ctx_bytes: int = 0
+    ctx_bytes: int = CTX_MEASURE
     max_inflight: int = DEFAULT_MAX_INFLIGHT
 
 
 @dataclass(frozen=True)
 class ProcView:
-    """A live process slot; per-GPU tuples are indexed by container GPU."""
+    """A live process slot as its process wrote it (untrusted); per-GPU tuples
+    are indexed by container GPU."""
 
     slot: int
     pid: int
@@ -154,6 +188,7 @@ class ProcView:
     gate_wait_ns: tuple[int, ...]
     contexts: tuple[int, ...]
     oom_refusals: tuple[int, ...]
+    ctx_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,29 +206,39 @@ def region_dir() -> Path:
     return Path(os.environ.get(REGION_DIR_ENV) or DEFAULT_REGION_DIR)
 
 
-def default_ctx_bytes(simulated: bool, env: Mapping[str, str] | None = None) -> int:
-    """Bytes charged per process context: $CGPU_CTX_BYTES, else simgpu's
-    context memory on the simulated GPU, else 0 (not charged)."""
+def default_ctx_bytes(env: dict[str, str] | None = None) -> int:
+    """Bytes charged per process context: $CGPU_CTX_BYTES, else measured by libcgpu."""
     source = os.environ if env is None else env
-    if source.get(CTX_BYTES_ENV):
-        return int(source[CTX_BYTES_ENV])
-    if simulated:
-        return int(source.get("SIMGPU_CONTEXT_MEM") or SIMGPU_CONTEXT_MEM)
-    return 0
+    text = source.get(CTX_BYTES_ENV, "")
+    if not text:
+        return CTX_MEASURE
+    try:
+        value = int(text)
+    except ValueError:
+        raise RegionError(f"{CTX_BYTES_ENV}={text!r} is not a number of bytes") from None
+    if value < 0:
+        raise RegionError(f"{CTX_BYTES_ENV}={text!r} must not be negative")
+    return value
 
 
 def region_path(container: str, directory: Path | None = None) -> Path:
-    """The region file of a container (named as in the control tree)."""
-    return (directory or region_dir()) / f"{container}.region"
+    """The region (a directory) of a container, named as in the control tree."""
+    return (directory or region_dir()) / container
 
 
-# ---- atomics and futex through libc / libatomic ----------------------------
+# ---- futex through libc ----------------------------------------------------
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221}.get(platform.machine(), 202)
 _FUTEX_WAKE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libatomic: Any = None
+
+
+def futex_wake_all(address: int) -> None:
+    """Wake every process waiting on the shared futex word at `address`."""
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
+                  ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
 
 
 def _cas32(address: int, expected: int, desired: int) -> bool:
@@ -213,94 +258,6 @@ def _cas32(address: int, expected: int, desired: int) -> bool:
         address, ctypes.addressof(want), desired, seq_cst, seq_cst))
 
 
-def _futex_wake_all(address: int) -> None:
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
-                  ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
-
-
-# ---- liveness --------------------------------------------------------------
-
-def _own_pidns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def proc_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat, or None when the process is gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    rest = text[text.rindex(")") + 2:].split()
-    if rest[0] in ("Z", "X"):
-        return None
-    return int(rest[19])
-
-
-def local_alive(proc: ProcView) -> bool:
-    """Whether a slot's process runs, judged in this process's pid namespace.
-
-    A slot from another pid namespace counts as alive (its pid means nothing
-    here); the daemon passes its own predicate for those."""
-    own = _own_pidns()
-    if proc.pidns and own and proc.pidns != own:
-        return True
-    try:
-        start = proc_start_time(proc.pid)
-    except (OSError, ValueError, IndexError):
-        try:
-            os.kill(proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return start is not None and (proc.start_time == 0 or start == proc.start_time)
-
-
-def _nspid(pid: str) -> int | None:
-    """The pid of a process in its own (innermost) pid namespace."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("NSpid:"):
-            return int(line.split()[-1])
-    return None
-
-
-def host_liveness(proc_root: str = "/proc") -> Callable[[ProcView], bool]:
-    """A predicate for `Region.reclaim` that sees into every pid namespace.
-
-    One scan of /proc (the daemon runs on the host): a slot is alive when a
-    running process has its pid-namespace inode, its pid in that namespace
-    and its start time. Slots without a namespace inode fall back to
-    `local_alive`."""
-    running: set[tuple[int, int, int]] = set()
-    for entry in os.scandir(proc_root):
-        if not entry.name.isdigit():
-            continue
-        try:
-            pidns = os.stat(f"{proc_root}/{entry.name}/ns/pid").st_ino
-            inner = _nspid(entry.name)
-            start = proc_start_time(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-        if inner is not None and start is not None:
-            running.add((pidns, inner, start))
-    by_pid = {(ns, pid) for ns, pid, _ in running}
-
-    def alive(view: ProcView) -> bool:
-        if view.pidns == 0:
-            return local_alive(view)
-        if view.start_time == 0:
-            return (view.pidns, view.pid) in by_pid
-        return (view.pidns, view.pid, view.start_time) in running
-
-    return alive
-
-
-# ---- the region ------------------------------------------------------------
-
 def _check_max_inflight(launches: int, where: str = "") -> None:
     if not 0 <= launches < 2**30:
         raise RegionError(f"{where}max_inflight must be 0 (unbounded) to {2**30 - 1}, "
@@ -314,89 +271,138 @@ def _encode(text: str, size: int, what: str) -> bytes:
     return data
 
 
+def _control_layout(container_id: str, gpus: Sequence[GpuSpec], mode: str, oom_script: str,
+                    gate_timeout_ns: int, gates_open: bool) -> ControlLayout:
+    if not 1 <= len(gpus) <= MAX_GPUS:
+        raise RegionError(f"a region holds 1 to {MAX_GPUS} GPUs, not {len(gpus)}")
+    if mode not in MODES:
+        raise RegionError(f"mode must be cgpu or egpu, not {mode!r}")
+    if gate_timeout_ns <= 0:
+        raise RegionError("gate_timeout_ns must be positive")
+    layout = ControlLayout()
+    layout.magic = CONTROL_MAGIC
+    layout.version = VERSION
+    layout.size = CONTROL_SIZE
+    layout.ngpus = len(gpus)
+    layout.mode = MODES[mode]
+    layout.gate_timeout_ns = gate_timeout_ns
+    layout.created_ns = time.monotonic_ns()
+    # Gates start closed and held (a fresh heartbeat) until the daemon grants
+    # the first slice; without a daemon they fail open after the timeout.
+    layout.heartbeat_ns = 0 if gates_open else layout.created_ns
+    layout.container_id = _encode(container_id, ID_LEN, "container id")
+    layout.oom_script = _encode(oom_script, PATH_LEN, "OOM script path")
+    for k, spec in enumerate(gpus):
+        if spec.limit < 0 or not 0 <= spec.ctx_bytes <= CTX_MEASURE:
+            raise RegionError(f"GPU {k}: limit and ctx_bytes must not be negative")
+        _check_max_inflight(spec.max_inflight, f"GPU {k}: ")
+        entry = layout.gpu[k]
+        entry.limit = spec.limit
+        entry.ctx_bytes = spec.ctx_bytes
+        entry.host_index = spec.host_index
+        entry.max_inflight = spec.max_inflight
+        entry.gate = GATE_OPEN if gates_open else GATE_CLOSED
+        entry.uuid = _encode(spec.uuid, UUID_LEN, "GPU UUID")
+    return layout
+
+
+def _account_layout() -> AccountLayout:
+    layout = AccountLayout()
+    layout.magic = ACCOUNT_MAGIC
+    layout.version = VERSION
+    layout.size = ACCOUNT_SIZE
+    return layout
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        os.fchmod(handle.fileno(), mode)
+
+
+def _map(path: Path, size: int, what: str) -> mmap.mmap:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as error:
+        raise RegionError(f"cannot open {what} {path}: {error.strerror}") from None
+    try:
+        if os.fstat(fd).st_size < size:
+            raise RegionError(f"{what} {path} is too small for layout version {VERSION}")
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
 class Region:
     """An open, mapped region. Use `Region.create` or `Region.open`."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap) -> None:
+    def __init__(self, path: Path, control: mmap.mmap, account: mmap.mmap) -> None:
         self.path = path
-        self._map = mapping
-        self._layout = RegionLayout.from_buffer(mapping)
+        self._control_map = control
+        self._account_map = account
+        self._control = ControlLayout.from_buffer(control)
+        self._account = AccountLayout.from_buffer(account)
 
     # -- lifecycle --
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], container_id: str, gpus: Sequence[GpuSpec],
                *, mode: str = "cgpu", oom_script: str = "",
-               gate_timeout_ns: int = DEFAULT_GATE_TIMEOUT_NS) -> Region:
-        """Write a fresh region atomically (temp file + rename) and map it.
+               gate_timeout_ns: int = DEFAULT_GATE_TIMEOUT_NS,
+               gates_open: bool = False) -> Region:
+        """Write a fresh region directory atomically (a temporary directory,
+        then a rename) and map it. A region already at `path` is replaced.
 
-        The file is world-writable: a container's processes may run as any
-        user, and only that container gets the file."""
+        Gates start closed with a fresh heartbeat: the container's first launch
+        waits for the daemon's first grant (or the gate timeout, without a
+        daemon). `gates_open` starts them open and without a heartbeat, for
+        jobs that no daemon schedules."""
         target = Path(path)
-        if not 1 <= len(gpus) <= MAX_GPUS:
-            raise RegionError(f"a region holds 1 to {MAX_GPUS} GPUs, not {len(gpus)}")
-        if mode not in MODES:
-            raise RegionError(f"mode must be cgpu or egpu, not {mode!r}")
-        if gate_timeout_ns <= 0:
-            raise RegionError("gate_timeout_ns must be positive")
-        layout = RegionLayout()
-        layout.magic = MAGIC
-        layout.version = VERSION
-        layout.size = REGION_SIZE
-        layout.ngpus = len(gpus)
-        layout.mode = MODES[mode]
-        layout.gate_timeout_ns = gate_timeout_ns
-        layout.created_ns = time.monotonic_ns()
-        layout.container_id = _encode(container_id, ID_LEN, "container id")
-        layout.oom_script = _encode(oom_script, PATH_LEN, "OOM script path")
-        for k, spec in enumerate(gpus):
-            if spec.limit < 0 or spec.ctx_bytes < 0:
-                raise RegionError(f"GPU {k}: limit and ctx_bytes must not be negative")
-            _check_max_inflight(spec.max_inflight, f"GPU {k}: ")
-            entry = layout.gpu[k]
-            entry.limit = spec.limit
-            entry.ctx_bytes = spec.ctx_bytes
-            entry.host_index = spec.host_index
-            entry.max_inflight = spec.max_inflight
-            entry.gate = GATE_OPEN
-            entry.uuid = _encode(spec.uuid, UUID_LEN, "GPU UUID")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        control = _control_layout(container_id, gpus, mode, oom_script, gate_timeout_ns,
+                                  gates_open)
+        parent = target.parent
+        if not parent.exists():
+            parent.mkdir(mode=0o700, parents=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
         try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(bytes(layout))
-                os.fchmod(handle.fileno(), 0o666)
-            os.replace(tmp, target)
+            os.chmod(staging, 0o700)
+            _write(staging / CONTROL_NAME, bytes(control), 0o644)
+            _write(staging / ACCOUNT_NAME, bytes(_account_layout()), 0o666)
+            if target.exists():
+                cls.remove(target)
+            os.rename(staging, target)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
             raise
         return cls.open(target)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Region:
-        """Map an existing region, checking magic, version and size."""
+        """Map an existing region, checking magic, version and size of both parts."""
         target = Path(path)
+        control = _map(target / CONTROL_NAME, CONTROL_SIZE, "region control")
         try:
-            fd = os.open(target, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as error:
-            raise RegionError(f"cannot open region {target}: {error.strerror}") from None
-        try:
-            if os.fstat(fd).st_size < REGION_SIZE:
-                raise RegionError(f"region {target} is too small for layout version {VERSION}")
-            mapping = mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED,
-                                mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        header = RegionLayout.from_buffer_copy(mapping[:64] + bytes(REGION_SIZE - 64))
-        if header.magic != MAGIC or header.version != VERSION or header.size != REGION_SIZE:
-            mapping.close()
-            raise RegionError(f"region {target} has an unknown layout "
-                              f"(version {header.version}, want {VERSION})")
-        return cls(target, mapping)
+            account = _map(target / ACCOUNT_NAME, ACCOUNT_SIZE, "region account")
+        except RegionError:
+            control.close()
+            raise
+        for part, magic, size in ((control, CONTROL_MAGIC, CONTROL_SIZE),
+                                  (account, ACCOUNT_MAGIC, ACCOUNT_SIZE)):
+            head = bytes(part[:16])
+            found = (int.from_bytes(head[:8], "little"), int.from_bytes(head[8:12], "little"),
+                     int.from_bytes(head[12:16], "little"))
+            if found != (magic, VERSION, size):
+                control.close()
+                account.close()
+                raise RegionError(f"region {target} has an unknown layout "
+                                  f"(version {found[1]}, want {VERSION})")
+        return cls(target, control, account)
 
     def close(self) -> None:
-        del self._layout
-        self._map.close()
+        del self._control, self._account
+        self._control_map.close()
+        self._account_map.close()
 
     def __enter__(self) -> Region:
         return self
@@ -406,57 +412,50 @@ class Region:
 
     @staticmethod
     def remove(path: str | os.PathLike[str]) -> None:
-        """Delete a region file; a missing file is fine."""
-        Path(path).unlink(missing_ok=True)
+        """Delete a region directory; a missing one is fine."""
+        shutil.rmtree(path, ignore_errors=True)
+
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the control file: a replaced region is a new one."""
+        info = os.stat(self.path / CONTROL_NAME)
+        return info.st_dev, info.st_ino
 
     # -- header --
 
     @property
     def container_id(self) -> str:
-        return bytes(self._layout.container_id).decode(errors="replace")
+        return bytes(self._control.container_id).decode(errors="replace")
 
     @property
     def mode(self) -> str:
-        return "egpu" if self._layout.mode == MODE_EGPU else "cgpu"
+        return "egpu" if self._control.mode == MODE_EGPU else "cgpu"
 
     @property
     def oom_script(self) -> str:
-        return bytes(self._layout.oom_script).decode(errors="replace")
+        return bytes(self._control.oom_script).decode(errors="replace")
 
     @property
     def ngpus(self) -> int:
-        return int(self._layout.ngpus)
+        return int(self._control.ngpus)
 
     @property
     def gate_timeout_ns(self) -> int:
-        return int(self._layout.gate_timeout_ns)
-
-    @gate_timeout_ns.setter
-    def gate_timeout_ns(self, value: int) -> None:
-        if value <= 0:
-            raise RegionError("gate_timeout_ns must be positive")
-        self._layout.gate_timeout_ns = value
+        return int(self._control.gate_timeout_ns)
 
     @property
     def heartbeat_ns(self) -> int:
-        return int(self._layout.heartbeat_ns)
+        return int(self._control.heartbeat_ns)
 
     def heartbeat(self, now_ns: int | None = None) -> None:
         """Stamp the daemon's heartbeat (CLOCK_MONOTONIC); gates hold only while it is fresh."""
-        self._layout.heartbeat_ns = time.monotonic_ns() if now_ns is None else now_ns
-
-    def clear_heartbeat(self) -> None:
-        """Say the daemon is gone: every closed gate fails open at once."""
-        self._layout.heartbeat_ns = 0
-        for k in range(self.ngpus):
-            _futex_wake_all(self._gate_address(k))
+        self._control.heartbeat_ns = time.monotonic_ns() if now_ns is None else now_ns
 
     # -- per GPU --
 
     def _gpu(self, k: int) -> GpuEntry:
         if not 0 <= k < self.ngpus:
             raise RegionError(f"GPU {k} is not in region {self.path} ({self.ngpus} GPUs)")
-        return self._layout.gpu[k]  # type: ignore[no-any-return]
+        return self._control.gpu[k]  # type: ignore[no-any-return]
 
     def gpu_spec(self, k: int) -> GpuSpec:
         entry = self._gpu(k)
@@ -466,7 +465,7 @@ class Region:
     def gpu_for_host(self, host_index: int) -> int | None:
         """The container GPU that is host GPU `host_index`, if any."""
         for k in range(self.ngpus):
-            if self._layout.gpu[k].host_index == host_index:
+            if self._control.gpu[k].host_index == host_index:
                 return k
         return None
 
@@ -474,20 +473,11 @@ class Region:
         return int(self._gpu(k).limit)
 
     def set_limit(self, k: int, limit: int) -> None:
-        """New limit in bytes (0 = whole device). Existing allocations stay."""
+        """New limit in bytes (0 = whole device): new allocations beyond it fail;
+        what processes hold already stays."""
         if limit < 0:
             raise RegionError("limit must not be negative")
         self._gpu(k).limit = limit
-
-    def set_ctx_bytes(self, k: int, ctx_bytes: int) -> None:
-        if ctx_bytes < 0:
-            raise RegionError("ctx_bytes must not be negative")
-        self._gpu(k).ctx_bytes = ctx_bytes
-
-    def set_max_inflight(self, k: int, launches: int) -> None:
-        """New in-flight bound of GPU k (0 = unbounded); processes apply it at their next launch."""
-        _check_max_inflight(launches)
-        self._gpu(k).max_inflight = launches
 
     def _gate_address(self, k: int) -> int:
         return ctypes.addressof(self._gpu(k)) + GpuEntry.gate.offset
@@ -495,27 +485,51 @@ class Region:
     def gate_is_open(self, k: int) -> bool:
         return bool(self._gpu(k).gate == GATE_OPEN)
 
-    def set_gate(self, k: int, is_open: bool) -> None:
-        """Open or close the gate of container GPU k; opening wakes every waiter."""
+    def close_seq(self, k: int) -> int:
+        return int(self._gpu(k).close_seq)
+
+    def grant_ns(self, k: int) -> int:
+        return int(self._gpu(k).grant_ns)
+
+    def set_gate(self, k: int, is_open: bool, now_ns: int = 0) -> None:
+        """Open the gate of container GPU k (a grant: waiters wake), or close it.
+
+        A close that changes the gate bumps `close_seq` and wakes the
+        processes' watchers, which answer once their queued work drained."""
         entry = self._gpu(k)
         value = GATE_OPEN if is_open else GATE_CLOSED
-        if entry.gate != value:
-            entry.gate = value
-            entry.gate_changes += 1
+        if entry.gate == value:
+            return
+        entry.gate = value
+        entry.gate_changes += 1
         if is_open:
-            _futex_wake_all(self._gate_address(k))
+            entry.grant_ns = now_ns or time.monotonic_ns()
+            futex_wake_all(self._gate_address(k))
+        else:
+            entry.grant_ns = 0
+            entry.close_seq += 1
+            self._control.wake = (self._control.wake + 1) & 0xFFFFFFFF
+            futex_wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)
+
+    def doorbell_address(self, k: int) -> int:
+        """The futex word processes ring when they wait at GPU k's gate or answer a close."""
+        self._gpu(k)
+        return ctypes.addressof(self._account) + AccountLayout.doorbell.offset + 4 * k
+
+    def doorbell(self, k: int) -> int:
+        return int(self._account.doorbell[k])
 
     # -- processes --
 
     def _slots_used(self) -> int:
-        return min(int(self._layout.slots_used), MAX_PROCS)
+        return min(int(self._account.slots_used), MAX_PROCS)
 
     def processes(self) -> list[ProcView]:
-        """Every slot in state LIVE, dead or alive (see `reclaim`)."""
+        """Every slot in state LIVE, as the processes wrote them (see `reclaim`)."""
         views = []
         n = self.ngpus
         for i in range(self._slots_used()):
-            slot = self._layout.proc[i]
+            slot = self._account.proc[i]
             if slot.state != SLOT_LIVE:
                 continue
             per = [slot.gpu[k] for k in range(n)]
@@ -530,13 +544,21 @@ class Region:
                 gate_wait_ns=tuple(int(p.gate_wait_ns) for p in per),
                 contexts=tuple(int(p.contexts) for p in per),
                 oom_refusals=tuple(int(p.oom_refusals) for p in per),
+                ctx_bytes=tuple(int(p.ctx_bytes) for p in per),
             ))
         return views
 
+    def slot_gpu(self, slot: int, k: int) -> ProcGpu:
+        """The live line of one slot on GPU k (for the dispatcher's fast reads)."""
+        return self._account.proc[slot].gpu[k]  # type: ignore[no-any-return]
+
+    def live_slots(self) -> list[int]:
+        return [i for i in range(self._slots_used()) if self._account.proc[i].state == SLOT_LIVE]
+
     def usage(self, k: int) -> int:
-        """Bytes the container holds on GPU k: the sum of all slots."""
+        """Bytes the container holds on GPU k: the sum of all slots (as reported)."""
         self._gpu(k)
-        return sum(int(self._layout.proc[i].gpu[k].mem) for i in range(self._slots_used()))
+        return sum(int(self._account.proc[i].gpu[k].mem) for i in range(self._slots_used()))
 
     def activity(self, k: int) -> Activity:
         """Launch counters of GPU k summed over live slots (compare between ticks)."""
@@ -549,7 +571,7 @@ class Region:
             gate_wait_ns=sum(p.gate_wait_ns[k] for p in procs),
         )
 
-    def reclaim(self, is_alive: Callable[[ProcView], bool] = local_alive) -> list[int]:
+    def reclaim(self, is_alive: Callable[[ProcView], bool]) -> list[int]:
         """Zero the slots whose process `is_alive` says is gone; returns their pids.
 
         Safe against libcgpu doing the same at the same time (compare-and-swap
@@ -558,7 +580,7 @@ class Region:
         for view in self.processes():
             if is_alive(view):
                 continue
-            slot = self._layout.proc[view.slot]
+            slot = self._account.proc[view.slot]
             address = ctypes.addressof(slot) + ProcSlot.state.offset
             if not _cas32(address, SLOT_LIVE, SLOT_RECLAIMING):
                 continue
@@ -570,4 +592,3 @@ class Region:
             slot.state = SLOT_FREE
             reclaimed.append(view.pid)
         return reclaimed
-

@@ -1,11 +1,16 @@
-"""Pure compute scheduler: per-GPU gate decisions from policy, shares and measured GPU time.
+"""Pure compute scheduler: who holds each GPU, for how long, from policy and measured time.
 
-One `GateScheduler` per GPU. Every period the daemon calls
-`step(now, usage, active)` with each container's cumulative GPU busy time
-(seconds, measured, whatever ran past a slice included) and whether it has
-work; the answer says which containers' gates are open until the next step.
-No I/O and no clock here: time is what the caller passes, so the same code
-runs under the daemon, in simulated time in tests, and in the benchmark.
+One `SliceScheduler` per GPU. Under policies 0-4 one container's work runs
+on the GPU at a time: the scheduler grants a container the GPU (its gate
+opens) for a slice, then ends the slice (its gate closes) and waits until
+the container's processes say that the work they queued before the close
+has finished (their drain answers); only then is the next container
+granted. What a holder is charged is the time from its grant to its last
+drain answer: GPU time measured by the data plane's own markers, whatever
+ran past the slice's end included. The caller (the daemon's dispatcher
+thread, or a simulation in tests) calls `step(now, observations)` whenever
+something may have changed and at the latest at the time the answer names.
+No I/O and no clock here.
 
 Shares (`allotments`) follow the policy table of ../shared/DESIGN.md:
 
@@ -24,28 +29,27 @@ Decisions made here where the table is silent:
   while no weight was free); under 5 (native) it runs like everyone else.
 - An active ``highprio`` container takes ``prio_ratio`` percent (several of
   them split it by weight under 2-4, equally under 0-1; never less than
-  their plain policy share). While it has credit it preempts the others
-  (their gates close). The rest is shared by the policy: under 1/4 the
-  others split the rest by the policy's proportions; under 0/2/3 each
-  keeps its plain share when the rest allows, else all are scaled down.
-  Under the work-conserving policies (1, 4) time that the high-priority
-  group cannot use (``util_limit``) flows to the others and back.
+  their plain share). While it has credit it preempts the others: a slice
+  of another container ends as soon as it waits. The rest is shared by the
+  policy: under 1/4 the others split the rest by the policy's proportions;
+  under 0/2/3 each keeps its plain share when the rest allows, else all are
+  scaled down. Under the work-conserving policies (1, 4) time that the
+  high-priority group cannot use (``util_limit``) flows to the others.
 - ``util_limit`` caps a container's share under every policy; under 1 and
   4 what a capped container cannot take is water-filled to the others.
+  Under 5 it is a duty cycle: the gate of a capped container is open for at
+  most that part of the time it is active.
 
-Enforcement is deficit accounting with exact shares. Shares are
-`fractions.Fraction` built from the integers in the tree, so 8:4 and 2:1
-are the same number. Each container has a share credit (accrues
-``share * dt``, pays for the GPU time it really used, so a kernel that runs
-past its slice is charged to its owner) and a cap credit for
-``util_limit`` (accrues ``cap * dt``, never forgiven). A gate is open while
-neither credit is below minus one period's worth of its rate. Positive
-credit is clamped to a short burst when the container was idle or left the
-GPU idle (no banking). Under the
-work-conserving policies what an active container clamps away that way
-(credit it had the chance to use and did not) is lent to the other active
-containers in proportion to their shares, so a light container's unused
-time is not wasted; nothing is forgiven, so busy containers' shares stay exact.
+Accounting is exact: shares are `fractions.Fraction` built from the integers
+in the tree, so 8:4 and 2:1 are the same number. Each container has a share
+credit (accrues ``share * dt`` of wall time, pays for the GPU time it held)
+and a cap credit for ``util_limit`` (accrues ``cap * dt``, never forgiven).
+The next holder is the waiting container owed the most (a preempting one
+first), among those whose credits are not negative; when none is, the GPU
+stays idle until one is (that is how shares below 1 hold under policies
+0, 2 and 3). Positive credit is clamped to a short burst while a container
+is idle (no banking). A lone busy holder keeps the GPU without a drain:
+its slice is renewed while nobody else waits and its credit allows.
 """
 
 from __future__ import annotations
@@ -59,10 +63,11 @@ from typing import Any
 __all__ = [
     "Allotment",
     "ContainerSpec",
-    "GateDecision",
-    "GateScheduler",
     "GpuConfig",
+    "Observation",
     "Policy",
+    "SliceDecision",
+    "SliceScheduler",
     "allotments",
     "waterfill",
 ]
@@ -216,12 +221,23 @@ def allotments(config: GpuConfig, active: Set[str]) -> dict[str, Allotment]:
 
 
 @dataclass(frozen=True)
-class GateDecision:
-    """Which gates are open until the next step, and why (for metrics and tests)."""
+class Observation:
+    """What the data plane shows of one container on one GPU at one instant."""
+
+    waiting: bool = False  # some process waits for the GPU (at the gate, or for its own work)
+    launches: int = 0  # launches so far (compared between steps)
+    answered: bool = True  # every process that launched answered the latest close
+    drained_at: float = 0.0  # the latest of those answers: when its work had finished
+
+
+@dataclass(frozen=True)
+class SliceDecision:
+    """The gates that are open until the next step, and when to step again at the latest."""
 
     open: frozenset[str]
-    shares: Mapping[str, Fraction]
-    slack: bool  # the GPU went idle during the last period
+    holder: str | None
+    wake_at: float
+    shares: Mapping[str, Fraction] = field(default_factory=dict)
 
     def is_open(self, name: str) -> bool:
         return name in self.open
@@ -231,29 +247,45 @@ class GateDecision:
 class _Account:
     credit: float = 0.0
     cap_credit: float = 0.0
-    last_usage: float | None = None
+    used: float = 0.0  # GPU seconds charged so far
+    last_launches: int | None = None
+    last_active: float = 0.0
 
 
-class GateScheduler:
-    """Deficit-accounting gate scheduler for one GPU (pure, driven by `step`)."""
+NEVER = float("inf")
+MAX_QUANTA = 4.0  # the longest slice, in quanta
+
+
+class SliceScheduler:
+    """Exclusive time slices on one GPU, driven by `step` (pure)."""
 
     def __init__(
         self,
         config: GpuConfig,
         *,
-        period: float = 0.02,
-        burst_periods: float = 5.0,
-        slack_fraction: float = 0.1,
+        quantum: float = 0.02,
+        idle_grace: float = 0.002,
+        drain_timeout: float = 1.0,
+        burst_quanta: float = 2.0,
     ) -> None:
-        if period <= 0:
-            raise ValueError(f"period must be positive, not {period}")
-        self.period = period
-        self.burst_window = period * burst_periods
-        self.slack_fraction = slack_fraction
+        for name, value in (("quantum", quantum), ("idle_grace", idle_grace),
+                            ("drain_timeout", drain_timeout), ("burst_quanta", burst_quanta)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, not {value}")
+        self.quantum = quantum
+        self.idle_grace = idle_grace
+        self.drain_timeout = drain_timeout
+        self.burst_window = quantum * burst_quanta
         self._config = config
         self._accounts: dict[str, _Account] = {n: _Account() for n in config.containers}
         self._now: float | None = None
         self._active: frozenset[str] = frozenset()
+        self.holder: str | None = None
+        self._granted_at = 0.0
+        self._slice_end = 0.0
+        self._closed_at: float | None = None  # the holder's slice ended: draining
+        self._late: dict[str, float] = {}  # closed, not yet answered: charged up to then
+        self._native_open: frozenset[str] = frozenset()
         self._set_allot()
 
     @property
@@ -263,9 +295,8 @@ class GateScheduler:
     def configure(self, config: GpuConfig) -> None:
         """Apply a new configuration; it takes effect at the next step.
 
-        Containers keep their credit unless the policy changed (then every
-        account starts afresh so that the new policy holds at once).
-        """
+        Containers keep their accounts unless the policy changed (then every
+        credit starts afresh so that the new policy holds at once)."""
         fresh = config.policy != self._config.policy
         accounts: dict[str, _Account] = {}
         for name in config.containers:
@@ -273,125 +304,231 @@ class GateScheduler:
             if old is None:
                 accounts[name] = _Account()
             elif fresh:
-                accounts[name] = _Account(last_usage=old.last_usage)
+                accounts[name] = _Account(used=old.used, last_launches=old.last_launches)
             else:
                 accounts[name] = old
         self._accounts = accounts
         self._config = config
         self._active = self._active & frozenset(config.containers)
+        if self.holder is not None and self.holder not in accounts:
+            self.holder, self._closed_at = None, None
         self._set_allot()
 
     def credits(self) -> dict[str, float]:
         """Share credit per container in seconds (negative: owes GPU time)."""
         return {n: a.credit for n, a in self._accounts.items()}
 
-    def step(
-        self, now: float, usage: Mapping[str, float], active: Set[str]
-    ) -> GateDecision:
-        """Charge the GPU time used since the last step and decide the gates.
+    def used(self) -> dict[str, float]:
+        """GPU seconds charged to each container so far (its measured GPU time)."""
+        return {n: a.used for n, a in self._accounts.items()}
 
-        `usage`: cumulative GPU busy seconds per container (monotone; a
-        container missing from it used nothing; a value that went down is
-        taken as a new baseline). `active`: containers that have work.
-        """
-        dt = 0.0 if self._now is None else now - self._now
-        if dt < 0:
-            raise ValueError(f"time went backwards: {now} < {self._now}")
-        self._now = now
-
-        used: dict[str, float] = {}
-        for name, acc in self._accounts.items():
-            value = usage.get(name)
-            if value is None:
-                used[name] = 0.0
-                continue
-            last = acc.last_usage
-            used[name] = value - last if last is not None and value >= last else 0.0
-            acc.last_usage = value
-        busy = sum(used.values())
-        slack = dt > 0 and busy < dt * (1.0 - self.slack_fraction)
-        lend = self._config.policy.work_conserving
-
-        unused = 0.0
-        for name, acc in self._accounts.items():
-            share, cap = self._rates[name]
-            acc.credit += share * dt - used[name]
-            acc.cap_credit += cap * dt - used[name]
-            if slack or name not in self._active:
-                # It had the chance (the GPU went idle) or no work: no banking.
-                burst = share * self.burst_window
-                if acc.credit > burst:
-                    if name in self._active:
-                        unused += acc.credit - burst
-                    acc.credit = burst
-                acc.cap_credit = min(acc.cap_credit, cap * self.burst_window)
-        if lend and unused > 0:
-            self._lend(unused)
-
-        active_now = frozenset(active) & frozenset(self._config.containers)
-        if active_now != self._active:
-            self._active = active_now
-            self._set_allot()
-        return GateDecision(open=self._decide(slack), shares=self._shares, slack=slack)
+    @property
+    def draining(self) -> bool:
+        return self._closed_at is not None
 
     def _set_allot(self) -> None:
-        """Recompute the allotments (exact) and their float rates for the accounting."""
         self._allot = allotments(self._config, self._active)
         self._shares: dict[str, Fraction] = {n: a.share for n, a in self._allot.items()}
         self._rates: dict[str, tuple[float, float]] = {
             n: (float(a.share), float(a.cap)) for n, a in self._allot.items()
         }
 
-    def _lend(self, unused: float) -> None:
-        """Work conservation: credit that active containers left unused goes to the others."""
-        takers = {
-            n: self._rates[n][0] for n in self._active
-            if self._rates[n][0] > 0
-            and self._accounts[n].credit < self._rates[n][0] * self.burst_window
-        }
-        total = sum(takers.values())
-        for name, share in takers.items():
-            self._accounts[name].credit += unused * share / total
+    def _charge(self, name: str, seconds: float) -> None:
+        acc = self._accounts.get(name)
+        if acc is not None and seconds > 0:
+            acc.credit -= seconds
+            acc.cap_credit -= seconds
+            acc.used += seconds
 
-    def _decide(self, slack: bool) -> frozenset[str]:
+    def step(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
+        """Account the time since the last step and decide who holds the GPU now."""
+        dt = 0.0 if self._now is None else now - self._now
+        if dt < 0:
+            raise ValueError(f"time went backwards: {now} < {self._now}")
+        self._now = now
+        nothing = Observation()
+        for name, acc in self._accounts.items():
+            seen = observed.get(name, nothing)
+            if seen.waiting or (acc.last_launches is not None
+                                and seen.launches != acc.last_launches):
+                acc.last_active = now
+            acc.last_launches = seen.launches
+        self._accrue(dt)
+        for name, charged_to in list(self._late.items()):
+            seen = observed.get(name, nothing)
+            if seen.answered or name == self.holder:
+                if seen.answered and name != self.holder:
+                    self._charge(name, min(now, seen.drained_at) - charged_to)
+                del self._late[name]
+        holding = self.holder if self.holder is not None and not self.draining else None
+        active = frozenset(n for n in self._accounts
+                           if observed.get(n, nothing).waiting
+                           or (n == holding
+                               and now - self._accounts[n].last_active < self.idle_grace))
+        if active != self._active:
+            self._active = active
+            self._set_allot()
         if self._config.policy is Policy.NATIVE:
-            return frozenset(
-                n for n, acc in self._accounts.items()
-                if self._allot[n].cap >= 1 or acc.cap_credit >= 0
-            )
-        # A gate stays open down to one period's worth of debt: measurements
-        # jitter against the caller's clock, and closing a lone busy container
-        # for a whole period over a few microseconds would waste the GPU. This
-        # is an offset of the credit, not a rate: long-run shares are the same.
-        open_ = {
-            n for n, acc in self._accounts.items()
-            if self._rates[n][0] > 0
-            and acc.credit >= -self._rates[n][0] * self.period
-            and acc.cap_credit >= -self._rates[n][1] * self.period
-        }
-        if self._config.policy.work_conserving:
-            # An idle container keeps its gate open while it owes nothing, so that
-            # its first launch does not wait a period; it is charged as usual and
-            # becomes active (with its share) at the next step.
-            open_ |= {
-                n for n, acc in self._accounts.items()
-                if n not in self._active and self._config.containers[n].weight > 0
-                and acc.credit >= 0 and acc.cap_credit >= 0
-            }
-        preempting = {n for n in open_ if self._allot[n].preempts and n in self._active}
-        if preempting and not slack:
-            return frozenset(preempting)
-        return frozenset(open_)
+            return self._native(now, dt)
+        return self._exclusive(now, observed)
+
+    def _accrue(self, dt: float) -> None:
+        for name, acc in self._accounts.items():
+            share, cap = self._rates[name]
+            acc.credit += share * dt
+            acc.cap_credit += cap * dt
+            if name not in self._active and name != self.holder:
+                # idle: no banking beyond a short burst
+                acc.credit = min(acc.credit, share * self.burst_window)
+                acc.cap_credit = min(acc.cap_credit, cap * self.burst_window)
+
+    def _eligible(self, name: str, slack: float = 0.0) -> bool:
+        acc = self._accounts[name]
+        return (self._rates[name][0] > 0 and acc.credit >= -slack
+                and acc.cap_credit >= -slack)
+
+    def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
+        nothing = Observation()
+        waiting = {n for n in self._accounts if observed.get(n, nothing).waiting}
+        holder = self.holder
+        if holder is not None and self._closed_at is None:
+            # Who would take the GPU if the holder gave it up: under the
+            # work-conserving policies anyone waiting (idle time is lent).
+            lend = self._config.policy.work_conserving
+            others = {n for n in waiting - {holder}
+                      if self._eligible(n) or (lend and self._rates[n][0] > 0
+                                               and self._accounts[n].cap_credit >= 0)}
+            idle = now - self._accounts[holder].last_active >= self.idle_grace
+            preempted = not self._allot[holder].preempts and any(
+                self._allot[n].preempts and self._eligible(n) for n in others)
+            if others:  # no longer alone: a slice for the company it has now
+                self._slice_end = min(self._slice_end, self._granted_at
+                                      + self._slice_length(holder, others | {holder}))
+            ended = now >= self._slice_end
+            if ended:  # charge the slice so far: is there credit for another?
+                self._charge(holder, now - self._granted_at)
+                self._granted_at = now
+            if not (preempted or (others and (ended or idle))
+                    or (ended and not self._eligible(holder, slack=1e-9))):
+                if ended:  # alone with credit: a new slice, no drain
+                    self._slice_end = now + self.quantum * MAX_QUANTA
+                wake_at = self._slice_end
+                if others:
+                    wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
+                return self._decision(frozenset({holder}), wake_at)
+            # Closed now: the answers in `observed` predate this close.
+            self._closed_at = now
+            return self._decision(frozenset(), now + self.drain_timeout)
+        if holder is not None and self._closed_at is not None:
+            seen = observed.get(holder, nothing)
+            if not seen.answered and now - self._closed_at < self.drain_timeout:
+                return self._decision(frozenset(), self._closed_at + self.drain_timeout)
+            # Charged to the last answer: what it queued ran past the slice's end.
+            end = min(now, max(self._closed_at, seen.drained_at)) if seen.answered else now
+            self._charge(holder, end - self._granted_at)
+            if not seen.answered:
+                self._late[holder] = end  # the rest is charged when it answers
+            self.holder, self._closed_at = None, None
+            if frozenset(waiting) != self._active:
+                self._active = frozenset(waiting)
+                self._set_allot()
+        return self._grant(now, waiting)
+
+    def _settle(self, waiting: Set[str]) -> None:
+        """Move what the waiting containers have in common out of the books,
+        keeping their standing relative to their shares.
+
+        Time the GPU spent switching is owed to nobody: when every waiting
+        container is owed time, their common part goes (so no credit grows
+        without bound). Under the work-conserving policies time used while
+        nobody else wanted the GPU is lent, not owed: when every waiting
+        container owes time, their common debt goes."""
+        owed = [n for n in waiting if self._rates[n][0] > 0]
+        if not owed:
+            return
+        standing = [self._accounts[n].credit / self._rates[n][0] for n in owed]
+        common = min(standing) if min(standing) > 0 else 0.0
+        if max(standing) < 0 and self._config.policy.work_conserving:
+            common = max(standing)
+        if common:
+            for name in owed:
+                self._accounts[name].credit -= common * self._rates[name][0]
+
+    def _slice_length(self, name: str, waiting: Set[str]) -> float:
+        """A quantum for the smallest share among those waiting, proportionally
+        more (up to MAX_QUANTA) for larger ones: each switch costs the same, so
+        the fewer the better, and the smallest share sets how fine it must be."""
+        shares = [self._rates[n][0] for n in waiting if self._rates[n][0] > 0]
+        smallest = min(shares, default=self._rates[name][0])
+        ratio = self._rates[name][0] / smallest if smallest > 0 else 1.0
+        return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
+
+    def _grant(self, now: float, waiting: Set[str]) -> SliceDecision:
+        self._settle(waiting)
+        candidates = [n for n in waiting if self._eligible(n)]
+        if candidates:
+            prio = [n for n in candidates if self._allot[n].preempts]
+            pool = prio or candidates
+            # The most owed for its share: time the GPU loses to switches is
+            # then lost in proportion to the shares, and the ratios hold.
+            chosen = max(pool, key=lambda n: (self._accounts[n].credit / self._rates[n][0], n))
+            self.holder = chosen
+            self._granted_at, self._slice_end = now, now + self._slice_length(chosen, waiting)
+            self._accounts[chosen].last_active = now
+            wake_at = self._slice_end
+            if len(waiting) > 1:
+                wake_at = min(wake_at, now + self.idle_grace)
+            return self._decision(frozenset({chosen}), wake_at)
+        # Nobody may run now: wake when the first waiting one's credits allow.
+        wake_at = NEVER
+        for name in waiting:
+            share, cap = self._rates[name]
+            acc = self._accounts[name]
+            if share <= 0:
+                continue
+            need = max(-acc.credit / share, -acc.cap_credit / cap if cap > 0 else NEVER, 0.0)
+            wake_at = min(wake_at, now + need)
+        return self._decision(frozenset(), wake_at)
+
+    def _native(self, now: float, dt: float) -> SliceDecision:
+        """Policy 5: every gate open, but a capped container's only while its cap
+        credit lasts. It is charged the time its gate was open while it was
+        active, and after each close until its drain answer: the time it had
+        work on the GPU (an upper bound of its GPU time, which the driver's
+        own time slicing hides)."""
+        self.holder, self._closed_at = None, None
+        open_: set[str] = set()
+        wake_at = NEVER
+        for name, acc in self._accounts.items():
+            cap = self._rates[name][1]
+            was_open = name in self._native_open
+            if was_open and name in self._active:
+                acc.used += dt
+                if cap < 1:
+                    acc.cap_credit -= dt
+            if cap >= 1 or (acc.cap_credit >= 0 and name not in self._late):
+                open_.add(name)
+                if cap < 1:  # when it would run out, charged all along
+                    wake_at = min(wake_at, now + max(acc.cap_credit / (1 - cap), self.idle_grace))
+                continue
+            if was_open:
+                self._late[name] = now  # charged on until its drain answer
+            if cap > 0:
+                wake_at = min(wake_at, now + max(-acc.cap_credit / cap, self.idle_grace))
+        self._native_open = frozenset(open_)
+        return self._decision(frozenset(open_), wake_at)
+
+    def _decision(self, open_: frozenset[str], wake_at: float) -> SliceDecision:
+        return SliceDecision(open=open_, holder=self.holder, wake_at=wake_at,
+                             shares=dict(self._shares))
 
     # -- state kept across a daemon restart or hot update -------------------
 
     def to_state(self) -> dict[str, Any]:
-        """JSON-serialisable accounting state (credits and usage baselines)."""
+        """JSON-serialisable accounting state (credits and GPU time used)."""
         return {
-            "now": self._now,
-            "active": sorted(self._active),
             "accounts": {
-                n: {"credit": a.credit, "cap_credit": a.cap_credit, "last_usage": a.last_usage}
+                n: {"credit": a.credit, "cap_credit": a.cap_credit, "used": a.used}
                 for n, a in self._accounts.items()
             },
         }
@@ -399,16 +536,12 @@ class GateScheduler:
     def restore(self, state: Mapping[str, Any]) -> None:
         """Take back what `to_state` produced; unknown containers are ignored.
 
-        The clock baseline is not restored: the caller's clock may differ
-        (a new process), so the first step after a restore charges nothing.
-        """
+        The clock is not restored (a new process may have another clock), so
+        the first step after a restore charges nothing."""
         for name, saved in dict(state.get("accounts", {})).items():
             acc = self._accounts.get(name)
             if acc is None:
                 continue
             acc.credit = float(saved.get("credit", 0.0))
             acc.cap_credit = float(saved.get("cap_credit", 0.0))
-            last = saved.get("last_usage")
-            acc.last_usage = None if last is None else float(last)
-        self._active = frozenset(state.get("active", ())) & frozenset(self._config.containers)
-        self._set_allot()
+            acc.used = float(saved.get("used", 0.0))

@@ -3,6 +3,8 @@
  *
  * region.c  attaches the container's region, owns this process's slot and
  *           implements the limit check and the gate;
+ * watch.c   the watcher thread: answers the daemon's closes once this
+ *           process's queued work has drained (flight.c waits for it);
  * track.c   remembers the size and GPU of every live allocation;
  * hooks.c   resolves the real driver and NVML and defines every exported
  *           wrapper, cuGetProcAddress and dlsym.
@@ -23,13 +25,16 @@
 
 /* ---- region.c ---- */
 
-/* The mapped region, or NULL when this process runs without one (pass-through). */
-extern struct cgpu_region *cgpu_region_ptr CGPU_HIDDEN;
+/* The mapped control part, or NULL when this process runs without a region
+ * (pass-through); the account part, or NULL when it could not be mapped
+ * writable (then nothing can be charged and allocations are refused). */
+extern const struct cgpu_control *cgpu_region_ptr CGPU_HIDDEN;
+extern struct cgpu_account *cgpu_account_ptr CGPU_HIDDEN;
 /* This process's slot, or NULL until first needed. */
 extern struct cgpu_proc *cgpu_slot_ptr CGPU_HIDDEN;
 
-/* Map $CGPU_REGION once; returns the region or NULL. Thread safe. */
-struct cgpu_region *cgpu_region(void) CGPU_HIDDEN;
+/* Map the region once; returns its control part or NULL. Thread safe. */
+const struct cgpu_control *cgpu_region(void) CGPU_HIDDEN;
 /* This process's slot, claimed on first use; NULL if every slot is taken. */
 struct cgpu_proc *cgpu_slot_claim(void) CGPU_HIDDEN;
 
@@ -52,8 +57,16 @@ int cgpu_reclaim_dead(void) CGPU_HIDDEN;
  * (does not return); in cGPU mode counts the refusal and returns. */
 void cgpu_over_limit(int g, uint64_t request) CGPU_HIDDEN;
 
-/* Wait while the gate of GPU g is closed (fails open on a stale heartbeat). */
-void cgpu_gate_wait(int g) CGPU_HIDDEN;
+long cgpu_futex_wait(const uint32_t *addr, uint32_t val, uint64_t timeout_ns) CGPU_HIDDEN;
+/* Bump GPU g's doorbell and wake the daemon waiting on it. */
+void cgpu_ring(int g) CGPU_HIDDEN;
+/* Wait while the gate of GPU g is closed: 1 once it opened, 0 when it fails
+ * open because the daemon's heartbeat is stale. */
+int cgpu_gate_wait(int g) CGPU_HIDDEN;
+
+/* Launches of this process between passing a gate and the driver's return,
+ * per container GPU: a drain (watch.c) waits for them to reach the driver. */
+extern uint32_t cgpu_launching[CGPU_MAX_GPUS] CGPU_HIDDEN;
 
 static inline uint64_t cgpu_coarse_ns(void)
 {
@@ -62,16 +75,46 @@ static inline uint64_t cgpu_coarse_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* The launch fast path: one load of the gate, two owner-only updates. */
-static inline void cgpu_gate_pass(struct cgpu_region *r, int g)
+/* ---- watch.c ---- */
+
+/* Whether this process answers the closes of GPU g (set at its first launch). */
+extern uint32_t cgpu_watching[CGPU_MAX_GPUS] CGPU_HIDDEN;
+/* Start answering closes of GPU g: the watcher thread, started once. */
+void cgpu_watch(int g) CGPU_HIDDEN;
+void cgpu_watch_after_fork(void) CGPU_HIDDEN;
+
+/* Enter a launch on GPU g: wait while its gate is closed, then count the
+ * launch as in progress. The fast path is one load of the gate and one
+ * atomic add; the gate is looked at again after the add, so that a drain
+ * that starts after the close either sees this launch in progress or this
+ * launch sees the gate closed (see cgpu_flight_drain). */
+static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
 {
-    if (cgpu_unlikely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_ACQUIRE) != CGPU_GATE_OPEN))
-        cgpu_gate_wait(g);
+    if (cgpu_unlikely(!__atomic_load_n(&cgpu_watching[g], __ATOMIC_RELAXED)))
+        cgpu_watch(g);
+    for (;;) {
+        if (cgpu_likely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_ACQUIRE) == CGPU_GATE_OPEN)) {
+            __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            if (cgpu_likely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_SEQ_CST) ==
+                            CGPU_GATE_OPEN))
+                break;
+            __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+        }
+        if (!cgpu_gate_wait(g)) {
+            __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            break;
+        }
+    }
     struct cgpu_proc *s = cgpu_slot();
     if (cgpu_likely(s != NULL)) {
         __atomic_fetch_add(&s->gpu[g].launches, 1, __ATOMIC_RELAXED);
         __atomic_store_n(&s->gpu[g].last_launch_ns, cgpu_coarse_ns(), __ATOMIC_RELAXED);
     }
+}
+
+static inline void cgpu_launch_exit(int g)
+{
+    __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_RELEASE);
 }
 
 uint64_t cgpu_now_ns(void) CGPU_HIDDEN;

@@ -41,6 +41,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -71,6 +72,7 @@ struct flight {
     uintptr_t ctx; /* 0 = free entry */
     uintptr_t stream;
     uintptr_t owner;  /* per-thread default stream: the thread's token, else 0 */
+    int g;            /* container GPU of its context */
     uint32_t since;   /* launches since the last marker */
     uint32_t every;   /* K now: launches per marker (0 = not yet decided) */
     pthread_mutex_t lock; /* the rest */
@@ -80,6 +82,11 @@ struct flight {
     uint32_t probed;        /* launches marked while per_launch_ns was unknown */
     uint64_t last_done_ns;  /* when a blocking wait saw the previous marker complete, or 0 */
     uint32_t done_since;    /* launches of markers found complete since last_done_ns */
+    uint64_t done_epoch;    /* the gate's changes at last_done_ns: a time spanning a
+                             * close is not this stream's, so it is no sample */
+    uint64_t drained_launches; /* `total` when the last drain marker was recorded */
+    uint64_t total;            /* launches counted on this entry */
+    CUevent drain_ev;          /* a blocking-sync marker for drains (watch.c) */
     CUevent ev[FLIGHT_SLOTS];
     uint32_t launches[FLIGHT_SLOTS]; /* launches behind each outstanding marker */
 };
@@ -111,7 +118,7 @@ static int read_env_bound(void)
     return bound;
 }
 
-static inline uint32_t bound_of(const struct cgpu_region *r, int g)
+static inline uint32_t bound_of(const struct cgpu_control *r, int g)
 {
     int e = __atomic_load_n(&env_bound, __ATOMIC_RELAXED);
     if (cgpu_unlikely(e == ENV_UNREAD))
@@ -132,8 +139,9 @@ static inline int key_is(const struct flight *f, uintptr_t ctx, uintptr_t s, uin
 }
 
 /* Caller holds table_lock and f->lock. */
-static void set_key(struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owner)
+static void set_key(struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owner, int g)
 {
+    f->g = g;
     __atomic_store_n(&f->ctx, ctx, __ATOMIC_RELAXED);
     __atomic_store_n(&f->stream, s, __ATOMIC_RELAXED);
     __atomic_store_n(&f->owner, owner, __ATOMIC_RELAXED);
@@ -141,13 +149,15 @@ static void set_key(struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owne
     __atomic_store_n(&f->every, 0, __ATOMIC_RELAXED);
     f->head = f->count = 0;
     f->broken = 0;
-    f->per_launch_ns = f->last_done_ns = 0;
+    f->per_launch_ns = f->last_done_ns = f->done_epoch = 0;
     f->probed = f->done_since = 0;
+    __atomic_store_n(&f->total, 0, __ATOMIC_RELAXED);
+    f->drained_launches = 0;
 }
 
 /* The entry of a key, claimed if new: a retired entry of the same context
  * first (its events are that context's), then a free one. NULL when full. */
-static struct flight *find_or_claim(uintptr_t ctx, uintptr_t s, uintptr_t owner)
+static struct flight *find_or_claim(uintptr_t ctx, uintptr_t s, uintptr_t owner, int g)
 {
     static int said_full;
     struct flight *hit = NULL, *retired = NULL, *free_entry = NULL;
@@ -167,9 +177,11 @@ static struct flight *find_or_claim(uintptr_t ctx, uintptr_t s, uintptr_t owner)
             hit = &table[table_used++];
         if (hit != NULL) {
             pthread_mutex_lock(&hit->lock);
-            if (hit != retired)
+            if (hit != retired) {
                 memset(hit->ev, 0, sizeof hit->ev);
-            set_key(hit, ctx, s, owner);
+                hit->drain_ev = NULL;
+            }
+            set_key(hit, ctx, s, owner, g);
             pthread_mutex_unlock(&hit->lock);
         } else if (!__atomic_exchange_n(&said_full, 1, __ATOMIC_RELAXED)) {
             cgpu_log("more than %d streams in use: launches on the others are not bounded",
@@ -180,13 +192,13 @@ static struct flight *find_or_claim(uintptr_t ctx, uintptr_t s, uintptr_t owner)
     return hit;
 }
 
-static inline struct flight *lookup(uintptr_t ctx, uintptr_t s, uintptr_t owner)
+static inline struct flight *lookup(uintptr_t ctx, uintptr_t s, uintptr_t owner, int g)
 {
     unsigned way = (unsigned)((ctx >> 4) ^ (s >> 4) ^ s ^ (owner >> 4)) % CACHE_WAYS;
     struct flight *f = cache[way];
     if (cgpu_likely(f != NULL && key_is(f, ctx, s, owner)))
         return f;
-    f = find_or_claim(ctx, s, owner);
+    f = find_or_claim(ctx, s, owner, g);
     cache[way] = f;
     return f;
 }
@@ -221,7 +233,7 @@ static uint32_t effective_bound(const struct flight *f, uint32_t bound)
  * blocked: the launches of the markers in between were queued before it
  * ended (markers are recorded before older ones are waited for), so the
  * stream was busy with them all along. */
-static void wait_oldest(struct flight *f, int g)
+static void wait_oldest(struct flight *f, const struct cgpu_control *r, int g)
 {
     CUevent ev = f->ev[f->head];
     uint32_t launches = f->launches[f->head];
@@ -242,12 +254,15 @@ static void wait_oldest(struct flight *f, int g)
     if (me != NULL)
         __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
     uint64_t now = cgpu_now_ns();
+    uint64_t epoch = __atomic_load_n(&r->gpu[g].gate_changes, __ATOMIC_ACQUIRE);
     launches += f->done_since;
-    if (rc == CUDA_SUCCESS && f->last_done_ns != 0 && launches > 0 && now > f->last_done_ns) {
+    if (rc == CUDA_SUCCESS && f->last_done_ns != 0 && launches > 0 && now > f->last_done_ns &&
+        epoch == f->done_epoch) {
         uint64_t sample = (now - f->last_done_ns) / launches;
         f->per_launch_ns = f->per_launch_ns ? (f->per_launch_ns + sample) / 2 : sample;
     }
     f->last_done_ns = rc == CUDA_SUCCESS ? now : 0;
+    f->done_epoch = epoch;
     f->done_since = 0;
 }
 
@@ -271,8 +286,8 @@ static void record(struct flight *f, uintptr_t s, uint32_t launches)
     f->count++;
 }
 
-static void mark(struct flight *f, uint32_t bound, int g, uintptr_t ctx, uintptr_t s,
-                 uintptr_t owner)
+static void mark(struct flight *f, uint32_t bound, const struct cgpu_control *r, int g,
+                 uintptr_t ctx, uintptr_t s, uintptr_t owner)
 {
     pthread_mutex_lock(&f->lock);
     uint32_t since = __atomic_load_n(&f->since, __ATOMIC_RELAXED);
@@ -293,7 +308,7 @@ static void mark(struct flight *f, uint32_t bound, int g, uintptr_t ctx, uintptr
         int exchanged = cgpu_flight_cu.exchange_capture_mode != NULL &&
                         cgpu_flight_cu.exchange_capture_mode(&mode) == CUDA_SUCCESS;
         while (f->count >= markers)
-            wait_oldest(f, g);
+            wait_oldest(f, r, g);
         record(f, s, since);
         if (exchanged)
             cgpu_flight_cu.exchange_capture_mode(&mode);
@@ -304,26 +319,118 @@ static void mark(struct flight *f, uint32_t bound, int g, uintptr_t ctx, uintptr
     pthread_mutex_unlock(&f->lock);
 }
 
-void cgpu_flight_launched(struct cgpu_region *r, int g, CUstream stream, int ptsz)
+/* The stream key of a launch: the legacy default stream is 0, the
+ * per-thread default stream is keyed by its thread too. */
+static void stream_key(CUstream stream, int ptsz, uintptr_t *s, uintptr_t *owner)
+{
+    *s = (uintptr_t)stream;
+    *owner = 0;
+    if (*s == (uintptr_t)CU_STREAM_LEGACY)
+        *s = 0;
+    else if (*s == 0 && ptsz)
+        *s = (uintptr_t)CU_STREAM_PER_THREAD;
+    if (*s == (uintptr_t)CU_STREAM_PER_THREAD)
+        *owner = (uintptr_t)&thread_token;
+}
+
+struct flight *cgpu_flight_count(int g, CUstream stream, int ptsz)
+{
+    CUcontext ctx;
+    if (cgpu_flight_cu.ctx_get_current == NULL ||
+        cgpu_flight_cu.ctx_get_current(&ctx) != CUDA_SUCCESS || ctx == NULL)
+        return NULL;
+    uintptr_t s, owner;
+    stream_key(stream, ptsz, &s, &owner);
+    struct flight *f = lookup((uintptr_t)ctx, s, owner, g);
+    if (f == NULL)
+        return NULL;
+    __atomic_fetch_add(&f->since, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&f->total, 1, __ATOMIC_RELEASE);
+    return f;
+}
+
+void cgpu_flight_bound(struct flight *f, const struct cgpu_control *r, int g)
 {
     uint32_t bound = bound_of(r, g);
-    CUcontext ctx;
-    if (bound == 0 || cgpu_flight_cu.ctx_get_current == NULL ||
-        cgpu_flight_cu.ctx_get_current(&ctx) != CUDA_SUCCESS || ctx == NULL)
+    if (bound == 0 ||
+        __atomic_load_n(&f->since, __ATOMIC_RELAXED) < __atomic_load_n(&f->every, __ATOMIC_RELAXED))
         return;
-    uintptr_t s = (uintptr_t)stream, owner = 0;
-    if (s == (uintptr_t)CU_STREAM_LEGACY)
-        s = 0;
-    else if (s == 0 && ptsz)
-        s = (uintptr_t)CU_STREAM_PER_THREAD;
-    if (s == (uintptr_t)CU_STREAM_PER_THREAD)
-        owner = (uintptr_t)&thread_token;
-    struct flight *f = lookup((uintptr_t)ctx, s, owner);
-    if (f == NULL)
-        return;
-    if (__atomic_add_fetch(&f->since, 1, __ATOMIC_RELAXED) >=
-        __atomic_load_n(&f->every, __ATOMIC_RELAXED))
-        mark(f, bound, g, (uintptr_t)ctx, s, owner);
+    uintptr_t ctx = __atomic_load_n(&f->ctx, __ATOMIC_RELAXED);
+    uintptr_t s = __atomic_load_n(&f->stream, __ATOMIC_RELAXED);
+    uintptr_t owner = __atomic_load_n(&f->owner, __ATOMIC_RELAXED);
+    if (owner != 0 && owner != (uintptr_t)&thread_token)
+        return; /* the entry was retaken meanwhile */
+    mark(f, bound, r, g, ctx, s, owner);
+}
+
+/* Record f's drain marker on `on` (held: table_lock and f->lock): a
+ * blocking-sync event, so that the watcher sleeps until it completes. */
+static CUevent record_drain(struct flight *f, uintptr_t on)
+{
+    if (f->drain_ev == NULL) {
+        CUevent ev;
+        if (cgpu_flight_cu.event_create == NULL ||
+            cgpu_flight_cu.event_create(&ev, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
+                CUDA_SUCCESS)
+            return NULL;
+        f->drain_ev = ev;
+    }
+    if (cgpu_flight_cu.event_record(f->drain_ev, (CUstream)on) != CUDA_SUCCESS)
+        return NULL;
+    return f->drain_ev;
+}
+
+/* Launches of f not yet behind a drain marker, or not known complete. */
+static int has_work(const struct flight *f)
+{
+    return __atomic_load_n(&f->total, __ATOMIC_ACQUIRE) != f->drained_launches || f->count > 0;
+}
+
+uint64_t cgpu_flight_drain(int g)
+{
+    /* Launches that passed the gate before it closed reach the driver first. */
+    while (__atomic_load_n(&cgpu_launching[g], __ATOMIC_SEQ_CST) != 0)
+        sched_yield();
+    CUevent waits[FLIGHT_ENTRIES];
+    unsigned nwaits = 0;
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    int exchanged = cgpu_flight_cu.exchange_capture_mode != NULL &&
+                    cgpu_flight_cu.exchange_capture_mode(&mode) == CUDA_SUCCESS;
+    /* table_lock is held through the waits: no entry's context is forgotten
+     * (its events destroyed) under them. Launches are gated meanwhile. */
+    pthread_mutex_lock(&table_lock);
+    for (unsigned i = 0; i < table_used; i++) {
+        struct flight *f = &table[i];
+        uintptr_t ctx = __atomic_load_n(&f->ctx, __ATOMIC_RELAXED);
+        if (ctx == 0 || f->g != g || f->stream == STREAM_RETIRED)
+            continue;
+        pthread_mutex_lock(&f->lock);
+        /* Another thread's per-thread stream cannot be named from here: the
+         * legacy stream of the context waits for it (both are blocking). */
+        uintptr_t on = f->owner != 0 ? 0 : f->stream;
+        CUevent ev = NULL;
+        if (has_work(f) && cgpu_flight_cu.event_record != NULL &&
+            cgpu_flight_cu.ctx_push != NULL &&
+            cgpu_flight_cu.ctx_push((CUcontext)ctx) == CUDA_SUCCESS) {
+            uint64_t total = __atomic_load_n(&f->total, __ATOMIC_ACQUIRE);
+            if (!capturing(on)) /* a capture would take the marker into its graph */
+                ev = record_drain(f, on);
+            if (ev != NULL)
+                f->drained_launches = total;
+            CUcontext popped;
+            cgpu_flight_cu.ctx_pop(&popped);
+        }
+        pthread_mutex_unlock(&f->lock);
+        if (ev != NULL && nwaits < FLIGHT_ENTRIES)
+            waits[nwaits++] = ev;
+    }
+    for (unsigned i = 0; i < nwaits; i++)
+        cgpu_flight_cu.event_synchronize(waits[i]); /* an error drops the marker */
+    uint64_t done = cgpu_now_ns();
+    pthread_mutex_unlock(&table_lock);
+    if (exchanged)
+        cgpu_flight_cu.exchange_capture_mode(&mode);
+    return done;
 }
 
 void cgpu_flight_forget_ctx(CUcontext ctx)
@@ -334,8 +441,9 @@ void cgpu_flight_forget_ctx(CUcontext ctx)
         if (f->ctx != (uintptr_t)ctx || ctx == NULL)
             continue;
         pthread_mutex_lock(&f->lock);
-        set_key(f, 0, 0, 0);
+        set_key(f, 0, 0, 0, -1);
         memset(f->ev, 0, sizeof f->ev); /* destroyed with the context */
+        f->drain_ev = NULL;
         pthread_mutex_unlock(&f->lock);
     }
     pthread_mutex_unlock(&table_lock);
@@ -352,7 +460,7 @@ void cgpu_flight_forget_stream(CUstream stream)
         if (f->stream != s)
             continue;
         pthread_mutex_lock(&f->lock);
-        set_key(f, f->ctx, STREAM_RETIRED, 0); /* the events stay, for this context */
+        set_key(f, f->ctx, STREAM_RETIRED, 0, f->g); /* the events stay, for this context */
         pthread_mutex_unlock(&f->lock);
     }
     pthread_mutex_unlock(&table_lock);
@@ -363,8 +471,9 @@ void cgpu_flight_after_fork(void)
     pthread_mutex_init(&table_lock, NULL);
     for (unsigned i = 0; i < FLIGHT_ENTRIES; i++) {
         pthread_mutex_init(&table[i].lock, NULL);
-        set_key(&table[i], 0, 0, 0);
+        set_key(&table[i], 0, 0, 0, -1);
         memset(table[i].ev, 0, sizeof table[i].ev);
+        table[i].drain_ev = NULL;
     }
     table_used = 0;
 }

@@ -25,14 +25,24 @@ struct cgpu_flight_driver {
     __typeof__(&cuEventSynchronize) event_synchronize;
     __typeof__(&cuEventQuery) event_query;
     __typeof__(&cuStreamIsCapturing) stream_is_capturing;
+    __typeof__(&cuCtxPushCurrent_v2) ctx_push;
+    __typeof__(&cuCtxPopCurrent_v2) ctx_pop;
     CUresult (*exchange_capture_mode)(CUstreamCaptureMode *mode); /* optional */
 };
 extern struct cgpu_flight_driver cgpu_flight_cu CGPU_HIDDEN;
 
+struct flight;
+
 /* After a successful launch on `stream` of container GPU g (`ptsz`: the
- * per-thread default stream variant, where NULL means that stream). May
- * wait for earlier launches of the stream to finish. */
-void cgpu_flight_launched(struct cgpu_region *r, int g, CUstream stream, int ptsz) CGPU_HIDDEN;
+ * per-thread default stream variant, where NULL means that stream): count
+ * it on its stream's entry, which it returns (NULL: not tracked). */
+struct flight *cgpu_flight_count(int g, CUstream stream, int ptsz) CGPU_HIDDEN;
+/* Then, outside the launch: hold the stream's queue to the bound; may wait
+ * for earlier launches of the stream to finish. */
+void cgpu_flight_bound(struct flight *f, const struct cgpu_control *r, int g) CGPU_HIDDEN;
+/* Wait until everything this process queued on GPU g has finished (a
+ * blocking marker behind the last launch of each stream); returns when. */
+uint64_t cgpu_flight_drain(int g) CGPU_HIDDEN;
 /* A context was destroyed: its markers and events are gone. */
 void cgpu_flight_forget_ctx(CUcontext ctx) CGPU_HIDDEN;
 /* A stream was destroyed: its entry (and events) may serve another stream. */

@@ -102,6 +102,9 @@ static __typeof__(&cuDeviceGetUuid_v2) real_cuDeviceGetUuid_v2;
 static __typeof__(&cuDevicePrimaryCtxGetState) real_cuDevicePrimaryCtxGetState;
 static __typeof__(&nvmlDeviceGetUUID) real_nvmlDeviceGetUUID;
 static __typeof__(&nvmlDeviceGetIndex) real_nvmlDeviceGetIndex;
+static __typeof__(&nvmlInit_v2) real_nvmlInit_v2;
+static __typeof__(&nvmlDeviceGetHandleByUUID) real_nvmlDeviceGetHandleByUUID;
+static __typeof__(&nvmlDeviceGetHandleByIndex_v2) real_nvmlDeviceGetHandleByIndex_v2;
 
 struct hook {
     const char *name;
@@ -133,9 +136,15 @@ static struct hook hooks[] = {
     {"cuEventSynchronize", NULL, (void **)&cgpu_flight_cu.event_synchronize, LIB_CUDA},
     {"cuEventQuery", NULL, (void **)&cgpu_flight_cu.event_query, LIB_CUDA},
     {"cuStreamIsCapturing", NULL, (void **)&cgpu_flight_cu.stream_is_capturing, LIB_CUDA},
+    {"cuCtxPushCurrent_v2", NULL, (void **)&cgpu_flight_cu.ctx_push, LIB_CUDA},
+    {"cuCtxPopCurrent_v2", NULL, (void **)&cgpu_flight_cu.ctx_pop, LIB_CUDA},
     {"cuThreadExchangeStreamCaptureMode", NULL, (void **)&cgpu_flight_cu.exchange_capture_mode,
      LIB_CUDA},
     {"nvmlDeviceGetUUID", NULL, (void **)&real_nvmlDeviceGetUUID, LIB_NVML},
+    {"nvmlInit_v2", NULL, (void **)&real_nvmlInit_v2, LIB_NVML},
+    {"nvmlDeviceGetHandleByUUID", NULL, (void **)&real_nvmlDeviceGetHandleByUUID, LIB_NVML},
+    {"nvmlDeviceGetHandleByIndex_v2", NULL, (void **)&real_nvmlDeviceGetHandleByIndex_v2,
+     LIB_NVML},
     {"nvmlDeviceGetIndex", NULL, (void **)&real_nvmlDeviceGetIndex, LIB_NVML},
 };
 #define NHOOKS (sizeof hooks / sizeof hooks[0])
@@ -345,7 +354,7 @@ static void format_uuid(const unsigned char *b, char *out, size_t len)
              b[14], b[15]);
 }
 
-static int gpu_by_uuid(const struct cgpu_region *r, const char *uuid)
+static int gpu_by_uuid(const struct cgpu_control *r, const char *uuid)
 {
     for (uint32_t k = 0; k < r->ngpus; k++)
         if (strncasecmp(r->gpu[k].uuid, uuid, CGPU_UUID_LEN) == 0)
@@ -353,13 +362,13 @@ static int gpu_by_uuid(const struct cgpu_region *r, const char *uuid)
     return GPU_NOT_OURS;
 }
 
-static int region_has_uuids(const struct cgpu_region *r)
+static int region_has_uuids(const struct cgpu_control *r)
 {
     return r->gpu[0].uuid[0] != '\0';
 }
 
 /* Container GPU of a driver device ordinal: by UUID when the region has them. */
-static int gpu_of_device(const struct cgpu_region *r, CUdevice dev)
+static int gpu_of_device(const struct cgpu_control *r, CUdevice dev)
 {
     if (dev < 0)
         return GPU_NOT_OURS;
@@ -385,7 +394,7 @@ static int gpu_of_device(const struct cgpu_region *r, CUdevice dev)
     return g;
 }
 
-static int current_gpu(const struct cgpu_region *r)
+static int current_gpu(const struct cgpu_control *r)
 {
     CUdevice dev;
     resolve(LIB_CUDA);
@@ -394,7 +403,7 @@ static int current_gpu(const struct cgpu_region *r)
     return gpu_of_device(r, dev);
 }
 
-static int gpu_of_nvml(const struct cgpu_region *r, nvmlDevice_t dev)
+static int gpu_of_nvml(const struct cgpu_control *r, nvmlDevice_t dev)
 {
     resolve(LIB_NVML);
     if (region_has_uuids(r)) {
@@ -471,7 +480,7 @@ static void settle(CUresult rc, enum cgpu_track_kind kind, uint64_t key, uint64_
 CGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     ENSURE_CUDA(cuMemAlloc_v2);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (r == NULL)
         return real_cuMemAlloc_v2(dptr, bytesize);
     int g = current_gpu(r);
@@ -487,7 +496,7 @@ CGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t
                                         size_t height, unsigned int elem)
 {
     ENSURE_CUDA(cuMemAllocPitch_v2);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (r == NULL)
         return real_cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
     uint64_t estimate;
@@ -537,7 +546,7 @@ typedef CUresult (*alloc_pool_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream)
 static CUresult alloc_async(alloc_async_fn fn, alloc_pool_fn pool_fn, CUdeviceptr *dptr,
                             size_t bytesize, CUmemoryPool pool, CUstream stream)
 {
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (r == NULL)
         return fn ? fn(dptr, bytesize, stream) : pool_fn(dptr, bytesize, pool, stream);
     int g = current_gpu(r);
@@ -591,7 +600,7 @@ CGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
                                  const CUmemAllocationProp *prop, unsigned long long flags)
 {
     ENSURE_CUDA(cuMemCreate);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (r == NULL || prop == NULL || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return real_cuMemCreate(handle, size, prop, flags);
     int g = gpu_of_device(r, prop->location.id);
@@ -633,7 +642,7 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
 
 static CUresult array_create(CUarray *out, uint64_t size, const void *desc, int three_d)
 {
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     CUresult rc;
 #define CALL_ARRAY()                                                                             \
     (three_d ? real_cuArray3DCreate_v2(out, (const CUDA_ARRAY3D_DESCRIPTOR *)desc)               \
@@ -682,7 +691,7 @@ CGPU_EXPORT CUresult cuArrayDestroy(CUarray hArray)
 /* ------------------------------------------------------------------ */
 
 /* Limit and free bytes of container GPU g; 0 when the GPU has no limit. */
-static uint64_t view(const struct cgpu_region *r, int g, uint64_t *used, uint64_t *free_bytes)
+static uint64_t view(const struct cgpu_control *r, int g, uint64_t *used, uint64_t *free_bytes)
 {
     uint64_t limit = __atomic_load_n(&r->gpu[g].limit, __ATOMIC_RELAXED);
     cgpu_reclaim_dead(); /* processes that exited no longer count */
@@ -697,7 +706,7 @@ CGPU_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 {
     ENSURE_CUDA(cuMemGetInfo_v2);
     CUresult rc = real_cuMemGetInfo_v2(free_bytes, total);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (rc != CUDA_SUCCESS || r == NULL)
         return rc;
     int g = current_gpu(r);
@@ -715,7 +724,7 @@ CGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     ENSURE_CUDA(cuDeviceTotalMem_v2);
     CUresult rc = real_cuDeviceTotalMem_v2(bytes, dev);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (rc != CUDA_SUCCESS || r == NULL || bytes == NULL)
         return rc;
     int g = gpu_of_device(r, dev);
@@ -728,7 +737,7 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory
 {
     ENSURE_NVML(nvmlDeviceGetMemoryInfo);
     nvmlReturn_t rc = real_nvmlDeviceGetMemoryInfo(device, memory);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (rc != NVML_SUCCESS || r == NULL || memory == NULL)
         return rc;
     int g = gpu_of_nvml(r, device);
@@ -745,7 +754,7 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
 {
     ENSURE_NVML(nvmlDeviceGetMemoryInfo_v2);
     nvmlReturn_t rc = real_nvmlDeviceGetMemoryInfo_v2(device, memory);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (rc != NVML_SUCCESS || r == NULL || memory == NULL)
         return rc;
     int g = gpu_of_nvml(r, device);
@@ -767,6 +776,7 @@ static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned ctx_refs[CGPU_MAX_GPUS];      /* created + retained primary */
 static unsigned primary_refs[CGPU_MAX_GPUS];  /* retained primary only */
 static uint64_t ctx_charged[CGPU_MAX_GPUS];
+static uint64_t measure_base[CGPU_MAX_GPUS]; /* NVML used before the first context; 0: none */
 static CUcontext primary_ctx[DEV_CACHE];      /* by device ordinal, as last retained */
 
 void cgpu_hooks_after_fork(void)
@@ -775,6 +785,7 @@ void cgpu_hooks_after_fork(void)
     memset(ctx_refs, 0, sizeof ctx_refs);
     memset(primary_refs, 0, sizeof primary_refs);
     memset(ctx_charged, 0, sizeof ctx_charged);
+    memset(measure_base, 0, sizeof measure_base);
     memset(primary_ctx, 0, sizeof primary_ctx);
     cgpu_flight_after_fork();
 }
@@ -786,8 +797,38 @@ static void publish_contexts(int g)
         __atomic_store_n(&s->gpu[g].contexts, ctx_refs[g], __ATOMIC_RELAXED);
 }
 
+/* The device's used memory from the real NVML, by the container GPU's UUID
+ * (else its host index); 0 when NVML cannot tell. */
+static uint64_t nvml_used(const struct cgpu_control *r, int g)
+{
+    static int inited;
+    resolve(LIB_NVML);
+    if (real_nvmlInit_v2 == NULL || real_nvmlDeviceGetMemoryInfo == NULL)
+        return 0;
+    if (!__atomic_load_n(&inited, __ATOMIC_ACQUIRE)) {
+        if (real_nvmlInit_v2() != NVML_SUCCESS)
+            return 0;
+        __atomic_store_n(&inited, 1, __ATOMIC_RELEASE);
+    }
+    nvmlDevice_t dev;
+    nvmlReturn_t rc = r->gpu[g].uuid[0] != '\0' && real_nvmlDeviceGetHandleByUUID != NULL
+                          ? real_nvmlDeviceGetHandleByUUID(r->gpu[g].uuid, &dev)
+                      : real_nvmlDeviceGetHandleByIndex_v2 != NULL
+                          ? real_nvmlDeviceGetHandleByIndex_v2(r->gpu[g].host_index, &dev)
+                          : NVML_ERROR_FUNCTION_NOT_FOUND;
+    nvmlMemory_t mem;
+    if (rc != NVML_SUCCESS || real_nvmlDeviceGetMemoryInfo(dev, &mem) != NVML_SUCCESS)
+        return 0;
+    return mem.used;
+}
+
+/* A context's memory is measured as the device's used memory before and
+ * after it is made; more than this is not a context (another process
+ * allocated meanwhile) and is not charged. */
+#define CTX_MEASURE_MAX (8ull << 30)
+
 /* Before a context is created or retained on container GPU g. */
-static CUresult ctx_acquire(const struct cgpu_region *r, int g, int primary)
+static CUresult ctx_acquire(const struct cgpu_control *r, int g, int primary)
 {
     if (g < 0) {
         cgpu_log("this GPU is not assigned to the container; no context is created on it");
@@ -796,6 +837,11 @@ static CUresult ctx_acquire(const struct cgpu_region *r, int g, int primary)
     pthread_mutex_lock(&ctx_lock);
     if (ctx_refs[g] == 0) {
         uint64_t bytes = __atomic_load_n(&r->gpu[g].ctx_bytes, __ATOMIC_RELAXED);
+        measure_base[g] = 0;
+        if (bytes == CGPU_CTX_MEASURE) {
+            measure_base[g] = nvml_used(r, g);
+            bytes = 0;
+        }
         if (bytes != 0 && cgpu_reserve(g, bytes) != 0) {
             pthread_mutex_unlock(&ctx_lock);
             cgpu_over_limit(g, bytes);
@@ -808,6 +854,35 @@ static CUresult ctx_acquire(const struct cgpu_region *r, int g, int primary)
     publish_contexts(g);
     pthread_mutex_unlock(&ctx_lock);
     return CUDA_SUCCESS;
+}
+
+/* After the context was made: charge what it measured. -1 when that is over
+ * the limit (the caller undoes the context and fails with out of memory). */
+static int ctx_settle(const struct cgpu_control *r, int g)
+{
+    pthread_mutex_lock(&ctx_lock);
+    uint64_t base = measure_base[g];
+    measure_base[g] = 0;
+    uint64_t bytes = 0;
+    if (base != 0) {
+        uint64_t used = nvml_used(r, g);
+        if (used > base && used - base <= CTX_MEASURE_MAX)
+            bytes = used - base;
+    }
+    int rc = 0;
+    if (bytes != 0) {
+        if (cgpu_reserve(g, bytes) == 0)
+            ctx_charged[g] += bytes;
+        else
+            rc = -1;
+    }
+    struct cgpu_proc *s = cgpu_slot_ptr;
+    if (s != NULL)
+        __atomic_store_n(&s->gpu[g].ctx_bytes, ctx_charged[g], __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&ctx_lock);
+    if (rc != 0)
+        cgpu_over_limit(g, bytes); /* eGPU mode does not return */
+    return rc;
 }
 
 static void ctx_drop(int g, unsigned n, int primary)
@@ -832,7 +907,7 @@ static void ctx_drop(int g, unsigned n, int primary)
 
 #define CTX_CREATE(realcall)                                                                     \
     do {                                                                                         \
-        struct cgpu_region *r = cgpu_region();                                                   \
+        const struct cgpu_control *r = cgpu_region();                                            \
         if (r == NULL)                                                                           \
             return (realcall);                                                                   \
         int g = gpu_of_device(r, dev);                                                           \
@@ -840,6 +915,10 @@ static void ctx_drop(int g, unsigned n, int primary)
         if (rc != CUDA_SUCCESS)                                                                  \
             return rc;                                                                           \
         rc = (realcall);                                                                         \
+        if (rc == CUDA_SUCCESS && ctx_settle(r, g) != 0) {                                       \
+            real_cuCtxDestroy_v2(*pctx);                                                         \
+            rc = CUDA_ERROR_OUT_OF_MEMORY;                                                       \
+        }                                                                                        \
         if (rc == CUDA_SUCCESS)                                                                  \
             cgpu_track_put(CGPU_TRACK_CTX, (uint64_t)(uintptr_t)*pctx, 0, g);                    \
         else                                                                                     \
@@ -906,7 +985,7 @@ CUresult cgpu_cuCtxCreate_legacy(CUcontext *pctx, unsigned int flags, CUdevice d
 CGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     ENSURE_CUDA(cuDevicePrimaryCtxRetain);
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (r == NULL)
         return real_cuDevicePrimaryCtxRetain(pctx, dev);
     int g = gpu_of_device(r, dev);
@@ -914,6 +993,10 @@ CGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real_cuDevicePrimaryCtxRetain(pctx, dev);
+    if (rc == CUDA_SUCCESS && ctx_settle(r, g) != 0) {
+        real_cuDevicePrimaryCtxRelease_v2(dev);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
     if (rc != CUDA_SUCCESS)
         ctx_drop(g, 1, 1);
     else if (dev >= 0 && dev < DEV_CACHE && pctx != NULL)
@@ -924,7 +1007,7 @@ CGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 /* After a primary context release (n = 1) or reset (n = all). */
 static CUresult primary_drop(CUresult rc, CUdevice dev, unsigned n)
 {
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     if (rc != CUDA_SUCCESS || r == NULL)
         return rc;
     ctx_drop(gpu_of_device(r, dev), n, 1);
@@ -989,32 +1072,31 @@ CUresult cgpu_cuDevicePrimaryCtxReset_legacy(CUdevice dev)
 /* Launches: wait at the gate, count, bound what is queued            */
 /* ------------------------------------------------------------------ */
 
-/* Wait at the gate of the launch's container GPU: that GPU, or -1 when
- * there is nothing to do (no region, not one of the container's GPUs). */
-static inline int launch_gate(struct cgpu_region **region)
+/* The container GPU of a launch, or -1 when there is nothing to do (no
+ * region, not one of the container's GPUs). */
+static inline int launch_gpu(const struct cgpu_control **region)
 {
-    struct cgpu_region *r = cgpu_region();
+    const struct cgpu_control *r = cgpu_region();
     *region = r;
     if (r == NULL)
         return -1;
-    int g = 0;
-    if (r->ngpus > 1) {
-        g = current_gpu(r);
-        if (g < 0)
-            return -1;
-    }
-    cgpu_gate_pass(r, g);
-    return g;
+    return r->ngpus > 1 ? current_gpu(r) : 0;
 }
 
-/* Gate, the real launch, then the in-flight bound on its stream. */
+/* Gate, the real launch counted in progress, then the in-flight bound on its
+ * stream (outside the launch: a drain must not wait for the bound's wait). */
 #define LAUNCH(realcall, stream, ptsz)                                                           \
     do {                                                                                         \
-        struct cgpu_region *r_;                                                                  \
-        int g_ = launch_gate(&r_);                                                               \
+        const struct cgpu_control *r_;                                                           \
+        int g_ = launch_gpu(&r_);                                                                \
+        if (g_ < 0)                                                                              \
+            return (realcall);                                                                   \
+        cgpu_launch_enter(r_, g_);                                                               \
         CUresult rc_ = (realcall);                                                               \
-        if (g_ >= 0 && rc_ == CUDA_SUCCESS)                                                      \
-            cgpu_flight_launched(r_, g_, (stream), (ptsz));                                      \
+        struct flight *f_ = rc_ == CUDA_SUCCESS ? cgpu_flight_count(g_, (stream), (ptsz)) : NULL; \
+        cgpu_launch_exit(g_);                                                                    \
+        if (f_ != NULL)                                                                          \
+            cgpu_flight_bound(f_, r_, g_);                                                       \
         return rc_;                                                                              \
     } while (0)
 

@@ -26,8 +26,10 @@
 
 extern char **environ;
 
-struct cgpu_region *cgpu_region_ptr;
+const struct cgpu_control *cgpu_region_ptr;
+struct cgpu_account *cgpu_account_ptr;
 struct cgpu_proc *cgpu_slot_ptr;
+uint32_t cgpu_launching[CGPU_MAX_GPUS];
 
 static pthread_once_t region_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER; /* process-local */
@@ -122,29 +124,28 @@ static void slot_zero_usage(struct cgpu_proc *s)
         __atomic_store_n(&pg->inflight, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&pg->pending, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&pg->contexts, 0, __ATOMIC_RELAXED);
-        pg->launches = 0;
-        pg->last_launch_ns = 0;
-        pg->gate_wait_ns = 0;
-        pg->allocs = 0;
-        pg->oom_refusals = 0;
+        __atomic_store_n(&pg->watching, 0, __ATOMIC_RELAXED);
+        pg->launches = pg->last_launch_ns = pg->gate_wait_ns = 0;
+        pg->allocs = pg->oom_refusals = pg->ctx_bytes = 0;
+        pg->drained_seq = pg->drained_ns = 0;
     }
 }
 
-static uint32_t slots_used(const struct cgpu_region *r)
+static uint32_t slots_used(const struct cgpu_account *a)
 {
-    uint32_t n = __atomic_load_n(&r->slots_used, __ATOMIC_ACQUIRE);
+    uint32_t n = __atomic_load_n(&a->slots_used, __ATOMIC_ACQUIRE);
     return n > CGPU_MAX_PROCS ? CGPU_MAX_PROCS : n;
 }
 
 int cgpu_reclaim_dead(void)
 {
-    struct cgpu_region *r = cgpu_region_ptr;
-    if (r == NULL)
+    struct cgpu_account *a = cgpu_account_ptr;
+    if (a == NULL)
         return 0;
     int reclaimed = 0;
-    uint32_t n = slots_used(r);
+    uint32_t n = slots_used(a);
     for (uint32_t i = 0; i < n; i++) {
-        struct cgpu_proc *s = &r->proc[i];
+        struct cgpu_proc *s = &a->proc[i];
         if (s == cgpu_slot_ptr || __atomic_load_n(&s->state, __ATOMIC_ACQUIRE) != CGPU_SLOT_LIVE)
             continue;
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
@@ -175,6 +176,8 @@ static void after_fork_child(void)
 {
     __atomic_store_n(&cgpu_slot_ptr, NULL, __ATOMIC_RELEASE);
     pthread_mutex_init(&claim_lock, NULL);
+    memset(cgpu_launching, 0, sizeof cgpu_launching);
+    cgpu_watch_after_fork();
     cgpu_track_after_fork();
     cgpu_hooks_after_fork();
 }
@@ -183,44 +186,76 @@ static void after_fork_child(void)
  * it dies, so its bytes leave the total when it is gone (reclaim), never
  * before. */
 
-static void region_attach(void)
+/* Map one file of the region: 0 on success, else a reason has been logged. */
+static void *map_file(const char *dir, const char *name, size_t size, int writable)
 {
-    const char *path = getenv("CGPU_REGION");
-    if (path == NULL)
-        path = CGPU_CONTAINER_REGION_PATH;
-    if (path[0] == '\0')
-        return;
-    int fd = open(path, O_RDWR | O_CLOEXEC);
+    char path[CGPU_PATH_LEN + 16];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
     if (fd < 0) {
-        if (errno != ENOENT)
-            cgpu_log("cannot open region %s: %s; running without limits", path, strerror(errno));
-        return;
+        cgpu_log("cannot open %s: %s", path, strerror(errno));
+        return NULL;
     }
     struct stat st;
     void *map = MAP_FAILED;
-    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct cgpu_region))
-        map = mmap(NULL, sizeof(struct cgpu_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (fstat(fd, &st) == 0 && (size_t)st.st_size >= size)
+        map = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
     close(fd);
     if (map == MAP_FAILED) {
-        cgpu_log("region %s is too small or cannot be mapped; running without limits", path);
-        return;
+        cgpu_log("%s is too small or cannot be mapped", path);
+        return NULL;
     }
-    struct cgpu_region *r = map;
-    if (r->magic != CGPU_REGION_MAGIC || r->version != CGPU_REGION_VERSION ||
-        r->size != sizeof(struct cgpu_region) || r->ngpus == 0 || r->ngpus > CGPU_MAX_GPUS) {
-        cgpu_log("region %s has an unknown layout (version %u, want %u); running without limits",
-                 path, r->version, CGPU_REGION_VERSION);
-        munmap(map, sizeof(struct cgpu_region));
-        return;
-    }
-    my_pidns = pidns_inode();
-    pthread_atfork(NULL, NULL, after_fork_child);
-    __atomic_store_n(&cgpu_region_ptr, r, __ATOMIC_RELEASE);
+    return map;
 }
 
-struct cgpu_region *cgpu_region(void)
+/* The region directory: the one the hook mounted into this container when it
+ * is there (whatever the environment says: a process cannot opt out), else
+ * $CGPU_REGION; NULL when neither names one. */
+static const char *region_dir(void)
 {
-    struct cgpu_region *r = __atomic_load_n(&cgpu_region_ptr, __ATOMIC_ACQUIRE);
+    if (access(CGPU_CONTAINER_REGION_DIR "/" CGPU_CONTROL_NAME, F_OK) == 0)
+        return CGPU_CONTAINER_REGION_DIR;
+    const char *dir = getenv("CGPU_REGION");
+    return dir != NULL && dir[0] != '\0' ? dir : NULL;
+}
+
+static void region_attach(void)
+{
+    const char *dir = region_dir();
+    if (dir == NULL)
+        return;
+    const struct cgpu_control *c = map_file(dir, CGPU_CONTROL_NAME, sizeof *c, 0);
+    if (c == NULL) {
+        cgpu_log("region %s unusable; running without limits", dir);
+        return;
+    }
+    if (c->magic != CGPU_CONTROL_MAGIC || c->version != CGPU_REGION_VERSION ||
+        c->size != sizeof *c || c->ngpus == 0 || c->ngpus > CGPU_MAX_GPUS) {
+        cgpu_log("region %s has an unknown layout (version %u, want %u); running without limits",
+                 dir, c->version, CGPU_REGION_VERSION);
+        munmap((void *)c, sizeof *c);
+        return;
+    }
+    /* Without its account a process cannot charge what it allocates: then it
+     * allocates nothing (no slot), but gates and views still apply. */
+    struct cgpu_account *a = map_file(dir, CGPU_ACCOUNT_NAME, sizeof *a, 1);
+    if (a != NULL && (a->magic != CGPU_ACCOUNT_MAGIC || a->version != CGPU_REGION_VERSION ||
+                      a->size != sizeof *a)) {
+        cgpu_log("account of region %s has an unknown layout", dir);
+        munmap(a, sizeof *a);
+        a = NULL;
+    }
+    if (a == NULL)
+        cgpu_log("no process accounting in region %s: GPU allocations are refused", dir);
+    my_pidns = pidns_inode();
+    pthread_atfork(NULL, NULL, after_fork_child);
+    __atomic_store_n(&cgpu_account_ptr, a, __ATOMIC_RELEASE);
+    __atomic_store_n(&cgpu_region_ptr, c, __ATOMIC_RELEASE);
+}
+
+const struct cgpu_control *cgpu_region(void)
+{
+    const struct cgpu_control *r = __atomic_load_n(&cgpu_region_ptr, __ATOMIC_ACQUIRE);
     if (cgpu_likely(r != NULL))
         return r;
     pthread_once(&region_once, region_attach);
@@ -241,7 +276,7 @@ static void read_comm(char *out, size_t len)
 
 struct cgpu_proc *cgpu_slot_claim(void)
 {
-    struct cgpu_region *r = cgpu_region();
+    struct cgpu_account *r = cgpu_region() != NULL ? cgpu_account_ptr : NULL;
     if (r == NULL)
         return NULL;
     pthread_mutex_lock(&claim_lock);
@@ -288,7 +323,7 @@ struct cgpu_proc *cgpu_slot_claim(void)
 
 uint64_t cgpu_usage(int g)
 {
-    struct cgpu_region *r = cgpu_region_ptr;
+    struct cgpu_account *r = cgpu_account_ptr;
     if (r == NULL)
         return 0;
     uint64_t total = 0;
@@ -299,7 +334,7 @@ uint64_t cgpu_usage(int g)
 }
 
 /* Sum of all slots and of the other slots' in-flight reservations. */
-static void usage_scan(const struct cgpu_region *r, const struct cgpu_proc *me, int g,
+static void usage_scan(const struct cgpu_account *r, const struct cgpu_proc *me, int g,
                        uint64_t *total, uint64_t *others_inflight)
 {
     uint64_t t = 0, f = 0;
@@ -342,14 +377,15 @@ static void backoff(unsigned attempt)
 
 int cgpu_reserve(int g, uint64_t size)
 {
-    struct cgpu_region *r = cgpu_region_ptr;
-    struct cgpu_proc *me = cgpu_slot();
-    if (r == NULL)
+    const struct cgpu_control *c = cgpu_region_ptr;
+    if (c == NULL)
         return 0;
-    if (me == NULL)
+    struct cgpu_account *r = cgpu_account_ptr;
+    struct cgpu_proc *me = cgpu_slot();
+    if (r == NULL || me == NULL)
         return -1;
     struct cgpu_proc_gpu *pg = &me->gpu[g];
-    uint64_t limit = __atomic_load_n(&r->gpu[g].limit, __ATOMIC_ACQUIRE);
+    uint64_t limit = __atomic_load_n(&c->gpu[g].limit, __ATOMIC_ACQUIRE);
     if (limit == 0) { /* the whole device: count, never refuse */
         __atomic_add_fetch(&pg->mem, size, __ATOMIC_SEQ_CST);
         __atomic_fetch_add(&pg->allocs, 1, __ATOMIC_RELAXED);
@@ -399,7 +435,7 @@ static void set_env_u64(char **slot, const char *name, uint64_t v)
 }
 
 /* Run the eGPU OOM script with its information in the environment; wait for it. */
-static void run_oom_script(const char *script, const struct cgpu_region *r, int g,
+static void run_oom_script(const char *script, const struct cgpu_control *r, int g,
                            uint64_t limit, uint64_t usage, uint64_t request)
 {
     size_t n = 0;
@@ -441,7 +477,7 @@ static void run_oom_script(const char *script, const struct cgpu_region *r, int 
 
 void cgpu_over_limit(int g, uint64_t request)
 {
-    struct cgpu_region *r = cgpu_region_ptr;
+    const struct cgpu_control *r = cgpu_region_ptr;
     struct cgpu_proc *me = cgpu_slot_ptr;
     if (r == NULL)
         return;
@@ -471,21 +507,35 @@ void cgpu_over_limit(int g, uint64_t request)
     _exit(137);
 }
 
-static long futex_wait(uint32_t *addr, uint32_t val, uint64_t timeout_ns)
+static long futex_wait(const uint32_t *addr, uint32_t val, uint64_t timeout_ns)
 {
     struct timespec ts = {(time_t)(timeout_ns / 1000000000ull), (long)(timeout_ns % 1000000000ull)};
     return syscall(SYS_futex, addr, FUTEX_WAIT, val, &ts, NULL, 0);
 }
 
+long cgpu_futex_wait(const uint32_t *addr, uint32_t val, uint64_t timeout_ns)
+{
+    return futex_wait(addr, val, timeout_ns);
+}
+
+void cgpu_ring(int g)
+{
+    struct cgpu_account *a = cgpu_account_ptr;
+    if (a == NULL)
+        return;
+    __atomic_fetch_add(&a->doorbell[g], 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &a->doorbell[g], FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
 #define GATE_MAX_SLEEP_NS 100000000ull /* re-check at least every 100 ms */
 
-void cgpu_gate_wait(int g)
+int cgpu_gate_wait(int g)
 {
-    struct cgpu_region *r = cgpu_region_ptr;
+    const struct cgpu_control *r = cgpu_region_ptr;
     struct cgpu_proc *me = cgpu_slot();
-    uint32_t *gate = &r->gpu[g].gate;
+    const uint32_t *gate = &r->gpu[g].gate;
     uint64_t t0 = cgpu_now_ns();
-    int counted = 0;
+    int counted = 0, opened = 1;
     for (;;) {
         uint32_t closed = __atomic_load_n(gate, __ATOMIC_ACQUIRE);
         if (closed == CGPU_GATE_OPEN)
@@ -496,13 +546,17 @@ void cgpu_gate_wait(int g)
             timeout = CGPU_DEFAULT_GATE_TIMEOUT_NS;
         uint64_t now = cgpu_now_ns();
         uint64_t age = now > hb ? now - hb : 0;
-        if (hb == 0 || age >= timeout)
-            break; /* the daemon is gone: fail open */
+        if (hb == 0 || age >= timeout) {
+            opened = 0; /* the daemon is gone: fail open */
+            break;
+        }
         uint64_t wait = timeout - age;
         if (wait > GATE_MAX_SLEEP_NS)
             wait = GATE_MAX_SLEEP_NS;
         if (!counted && me != NULL) {
-            __atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
+            /* the first waiter of this process tells the daemon it wants the GPU */
+            if (__atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_SEQ_CST) == 0)
+                cgpu_ring(g);
             counted = 1;
         }
         futex_wait(gate, closed, wait);
@@ -511,4 +565,5 @@ void cgpu_gate_wait(int g)
         __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
         __atomic_fetch_add(&me->gpu[g].gate_wait_ns, cgpu_now_ns() - t0, __ATOMIC_RELAXED);
     }
+    return opened;
 }

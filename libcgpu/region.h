@@ -1,30 +1,45 @@
 /*
- * region.h: the shared-memory region between the host daemon and libcgpu.
+ * region.h: the shared memory between the host daemon and libcgpu.
  *
- * One region file per container (path in $CGPU_REGION, else
- * CGPU_CONTAINER_REGION_PATH), mapped MAP_SHARED
- * by every process of the container and by the daemon. The layout is
- * versioned: a reader refuses a region whose magic, version or size differ.
- * cgpu_km/region.py mirrors this header with ctypes; a test compiles a probe
- * against this file and compares every offset and size.
+ * A container's region is a directory of two files (path in $CGPU_REGION;
+ * inside a container started by the hook, CGPU_CONTAINER_REGION_DIR):
+ *
+ *   control  written by the daemon (and whoever created the region), mapped
+ *            read-only by the container's processes: limits, gates, the
+ *            heartbeat and everything else the daemon decides. The hook
+ *            bind-mounts it read-only, so even root in the container (which
+ *            runc gives no CAP_SYS_ADMIN) cannot change it.
+ *   account  written by the container's processes, one slot each: memory
+ *            held, launches, waits, drain answers. The daemon reads it and
+ *            checks what it reads against the kernel's view; a process that
+ *            rewrites its own slot gains no more than one that bypasses
+ *            libcgpu (the NVML backstop still counts and stops it).
+ *
+ * Both are mapped MAP_SHARED by every process of the container and by the
+ * daemon. Their layouts are versioned: a reader refuses a file whose magic,
+ * version or size differ. cgpu_km/region.py mirrors this header with ctypes;
+ * a test compiles a probe against this file and compares every offset.
  *
  * Rules that make it safe without locks (a killed process can hold nothing):
  *  - Memory is counted per process slot. A process adds to its own slot
  *    first, then sums all slots; if the sum is over the limit it takes the
  *    addition back. Of any set of racing allocations that all succeed, the
  *    one that summed last saw all of them, so the container total never
- *    exceeds the limit. The container total is the sum of the slots: no
- *    separate counter exists that could drift or go negative.
- *  - A slot whose process is gone (kill(pid, 0) fails, or /proc shows a
- *    zombie or a different start time) is reclaimed by whoever notices it
- *    (another process of the container, or the daemon) with a compare-and-
- *    swap on its state, then zeroed: its bytes leave the total at once.
- *  - The gate is a futex word written only by the daemon. Waiters use
+ *    exceeds the limit. The container total is the sum of the slots.
+ *  - A slot whose process is gone is reclaimed by whoever notices it
+ *    (another process of the container, or the daemon, which asks the
+ *    kernel) with a compare-and-swap on its state, then zeroed.
+ *  - A gate is a futex word written only by the daemon. Waiters use
  *    FUTEX_WAIT with a timeout and re-check the heartbeat, so a dead daemon
  *    never blocks a launch for longer than gate_timeout_ns.
- *  - The gate acts at launch time only, so each process also keeps its
- *    queued work short (gpu.max_inflight launches per stream, see
- *    libcgpu/flight.c): work queued before the gate closed drains quickly.
+ *  - One container's work runs on a GPU at a time (policies 0-4): the daemon
+ *    opens a gate for a slice, then closes it and bumps close_seq. Each
+ *    process's watcher thread (libcgpu/watch.c) then waits until the work it
+ *    queued before the close has finished and answers with drained_seq and
+ *    drained_ns, the time its last marker completed. The holder's GPU time
+ *    is from the grant to the last answer; only then is the next container
+ *    granted. Processes keep their queued work short (gpu.max_inflight
+ *    launches per stream, libcgpu/flight.c), so a drain is short too.
  *
  * All timestamps are CLOCK_MONOTONIC nanoseconds (Python: time.monotonic_ns()).
  * All fields are naturally aligned; 64-bit fields are read and written with
@@ -35,8 +50,9 @@
 
 #include <stdint.h>
 
-#define CGPU_REGION_MAGIC 0x314e4f4947455243ULL /* "CREGION1" little-endian */
-#define CGPU_REGION_VERSION 2u
+#define CGPU_CONTROL_MAGIC 0x334c544355504743ULL /* "CGPUCTL3" little-endian */
+#define CGPU_ACCOUNT_MAGIC 0x3354434155504743ULL /* "CGPUACT3" little-endian */
+#define CGPU_REGION_VERSION 3u
 #define CGPU_MAX_GPUS 16
 #define CGPU_MAX_PROCS 256
 #define CGPU_ID_LEN 72
@@ -47,38 +63,66 @@
  * about this many launches per stream queued ahead of the GPU, so a closed
  * gate takes effect within that many kernels (0 = unbounded). */
 #define CGPU_DEFAULT_MAX_INFLIGHT 16u
-/* Where a container finds its region when $CGPU_REGION is not set (the OCI
- * hook bind-mounts it there); $CGPU_REGION set but empty means no region. */
-#define CGPU_CONTAINER_REGION_PATH "/run/cgpu/region"
+/* gpu.ctx_bytes: measure each process's context when it is created (the
+ * device's used memory before and after, from NVML) and charge that. */
+#define CGPU_CTX_MEASURE UINT64_MAX
+/* Where a container finds its region (the OCI hook bind-mounts the two files
+ * there). When it exists it is used whatever $CGPU_REGION says. */
+#define CGPU_CONTAINER_REGION_DIR "/run/cgpu"
+#define CGPU_CONTROL_NAME "control"
+#define CGPU_ACCOUNT_NAME "account"
 
-/* region.mode */
+/* control.mode */
 #define CGPU_MODE_CGPU 0u
 #define CGPU_MODE_EGPU 1u
 
-/* gpu.gate (futex word) */
+/* control.gpu.gate (futex word) */
 #define CGPU_GATE_OPEN 0u
 #define CGPU_GATE_CLOSED 1u
 
-/* proc.state */
+/* account.proc.state */
 #define CGPU_SLOT_FREE 0u
 #define CGPU_SLOT_CLAIMING 1u   /* being filled by its new owner */
 #define CGPU_SLOT_LIVE 2u
 #define CGPU_SLOT_RECLAIMING 3u /* being zeroed after its owner died */
 
+/* ---- control: the daemon's decisions, read-only in the container ---- */
+
 /* Per container GPU k (the k-th GPU the container sees). 256 bytes. */
 struct cgpu_gpu {
     uint64_t limit;          /* bytes the container may hold; 0 = no limit (whole device) */
-    uint64_t ctx_bytes;      /* charged once per process holding a context on this GPU */
-    uint32_t gate;           /* futex word, CGPU_GATE_*; written by the daemon only */
+    uint64_t ctx_bytes;      /* charged per process holding a context; CGPU_CTX_MEASURE */
+    uint32_t gate;           /* futex word, CGPU_GATE_* */
     uint32_t host_index;     /* the GPU's index on the host (NVML index) */
-    uint64_t gate_changes;   /* daemon: times the gate was opened or closed */
+    uint64_t gate_changes;   /* times the gate was opened or closed */
+    uint64_t close_seq;      /* bumps at every close; answered in proc.gpu.drained_seq */
+    uint64_t grant_ns;       /* when the current grant began; 0 while the gate is closed */
     char uuid[CGPU_UUID_LEN]; /* "GPU-...", matched against the driver; "" = by ordinal */
     uint32_t max_inflight;   /* launches a process may keep queued per stream; 0 = unbounded */
     uint32_t reserved32;     /* 0 */
-    uint8_t reserved[120];
+    uint8_t reserved[104];
 };
 
-/* One process's use of one GPU. 64 bytes, written by the owner only. */
+struct cgpu_control {
+    uint64_t magic;          /* CGPU_CONTROL_MAGIC */
+    uint32_t version;        /* CGPU_REGION_VERSION */
+    uint32_t size;           /* sizeof(struct cgpu_control) */
+    uint32_t ngpus;          /* gpu[0..ngpus) are valid */
+    uint32_t mode;           /* CGPU_MODE_* */
+    uint64_t heartbeat_ns;   /* daemon's last stamp; 0 = no daemon (gates fail open) */
+    uint64_t gate_timeout_ns; /* gates fail open when the heartbeat is older than this */
+    uint32_t wake;           /* futex word: bumps at every close and limit change */
+    uint32_t flags;          /* reserved, 0 */
+    uint64_t created_ns;     /* when the region was created */
+    char container_id[CGPU_ID_LEN];
+    char oom_script[CGPU_PATH_LEN]; /* eGPU: run (inside the container) before a stop */
+    uint8_t reserved[128];
+    struct cgpu_gpu gpu[CGPU_MAX_GPUS];
+};
+
+/* ---- account: what the container's processes report ---- */
+
+/* One process's use of one GPU. 128 bytes, written by the owner only. */
 struct cgpu_proc_gpu {
     uint64_t mem;            /* bytes held, including `inflight` */
     uint64_t inflight;       /* part of `mem` still being checked against the limit */
@@ -89,6 +133,12 @@ struct cgpu_proc_gpu {
     uint32_t contexts;       /* contexts held (ctx_bytes charged while > 0) */
     uint64_t allocs;         /* successful allocations */
     uint64_t oom_refusals;   /* allocations refused for the limit */
+    uint64_t ctx_bytes;      /* bytes charged for its context on this GPU */
+    uint64_t drained_seq;    /* the last gpu.close_seq its watcher answered */
+    uint64_t drained_ns;     /* when the work it queued before that close had finished */
+    uint32_t watching;       /* 1 while its watcher answers closes of this GPU */
+    uint32_t reserved32;
+    uint64_t reserved[4];
 };
 
 /* One process of the container. 64-byte header + one line per GPU. */
@@ -102,31 +152,27 @@ struct cgpu_proc {
     struct cgpu_proc_gpu gpu[CGPU_MAX_GPUS];
 };
 
-struct cgpu_region {
-    uint64_t magic;          /* CGPU_REGION_MAGIC */
+struct cgpu_account {
+    uint64_t magic;          /* CGPU_ACCOUNT_MAGIC */
     uint32_t version;        /* CGPU_REGION_VERSION */
-    uint32_t size;           /* sizeof(struct cgpu_region) */
-    uint32_t ngpus;          /* gpu[0..ngpus) are valid */
-    uint32_t mode;           /* CGPU_MODE_* */
-    uint64_t heartbeat_ns;   /* daemon's last stamp; 0 = no daemon (gates fail open) */
-    uint64_t gate_timeout_ns; /* gates fail open when the heartbeat is older than this */
+    uint32_t size;           /* sizeof(struct cgpu_account) */
     uint32_t slots_used;     /* high-water mark: proc[0..slots_used) may be in use */
-    uint32_t flags;          /* reserved, 0 */
-    uint64_t created_ns;     /* when the region was created */
-    char container_id[CGPU_ID_LEN];
-    char oom_script[CGPU_PATH_LEN]; /* eGPU: program run before an over-limit process stops */
-    uint8_t reserved[128];
-    struct cgpu_gpu gpu[CGPU_MAX_GPUS];
+    uint32_t reserved32;
+    uint64_t reserved[5];
+    /* futex words the daemon waits on: bumped (and woken) when a process
+     * starts waiting at the closed gate of GPU k, or answers a close of it */
+    uint32_t doorbell[CGPU_MAX_GPUS];
     struct cgpu_proc proc[CGPU_MAX_PROCS];
 };
 
 #if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(struct cgpu_gpu) == 256, "cgpu_gpu layout");
-_Static_assert(sizeof(struct cgpu_proc_gpu) == 64, "cgpu_proc_gpu layout");
-_Static_assert(sizeof(struct cgpu_proc) == 64 + 64 * CGPU_MAX_GPUS, "cgpu_proc layout");
-_Static_assert(sizeof(struct cgpu_region) ==
-                   512 + 256 * CGPU_MAX_GPUS + sizeof(struct cgpu_proc) * CGPU_MAX_PROCS,
-               "cgpu_region layout");
+_Static_assert(sizeof(struct cgpu_control) == 512 + 256 * CGPU_MAX_GPUS, "cgpu_control layout");
+_Static_assert(sizeof(struct cgpu_proc_gpu) == 128, "cgpu_proc_gpu layout");
+_Static_assert(sizeof(struct cgpu_proc) == 64 + 128 * CGPU_MAX_GPUS, "cgpu_proc layout");
+_Static_assert(sizeof(struct cgpu_account) ==
+                   64 + 4 * CGPU_MAX_GPUS + sizeof(struct cgpu_proc) * CGPU_MAX_PROCS,
+               "cgpu_account layout");
 #endif
 
 #endif /* CGPU_REGION_H */

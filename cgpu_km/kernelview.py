@@ -1,0 +1,212 @@
+"""Processes as the kernel sees them: which container a host process belongs to.
+
+Nothing a container writes is believed here. A container's identity (`Owner`)
+is read from /proc at registration, from a process the registrar started
+itself: the container's init at the OCI prestart hook, or `cgpu-run`'s job.
+It is the init's pid namespace and cgroup, which its processes cannot leave:
+runc gives them no CAP_SYS_ADMIN, and the cgroup file system is read-only
+inside. A host process belongs to the container when its pid namespace is
+the container's (or nested in it), or its cgroup is the container's (or
+below it). The host's own pid namespace and root cgroup identify nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PROC = "/proc"
+NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2), linux/nsfs.h
+OWNER_NAME = "owner.json"
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process, read from /proc/<pid> (the reader's view: host pids)."""
+
+    pid: int
+    pidns: int  # inode of its pid namespace
+    inner_pid: int  # its pid in that namespace (last NSpid field)
+    start_time: int  # field 22 of stat: clock ticks after boot
+    uid: int  # real uid
+    gid: int
+    cgroups: Mapping[str, str] = field(default_factory=dict)  # "id:controllers" -> path
+    cap_bounding: int = 0  # CapBnd
+    state: str = "R"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A container's identity: its init's pid namespace and cgroups."""
+
+    pidns: int
+    cgroups: Mapping[str, str]
+    pid: int = 0  # the init's host pid, when it was read
+    start_time: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Owner:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        cgroups = data.get("cgroups", {})
+        if not isinstance(cgroups, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in cgroups.items()):
+            raise ValueError("cgroups is not a map of strings")
+        return cls(pidns=int(data["pidns"]), cgroups=cgroups, pid=int(data.get("pid", 0)),
+                   start_time=int(data.get("start_time", 0)))
+
+
+def parse_stat(text: str) -> tuple[str, int]:
+    """(state letter, start time) from the text of /proc/<pid>/stat."""
+    rest = text[text.rindex(")") + 2:].split()
+    return rest[0], int(rest[19])
+
+
+def parse_cgroups(text: str) -> dict[str, str]:
+    """`/proc/<pid>/cgroup` as {"hierarchy-id:controllers": path}."""
+    found = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            found[f"{parts[0]}:{parts[1]}"] = parts[2]
+    return found
+
+
+def parse_status(text: str) -> dict[str, str]:
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+def process_info(pid: int, proc: str = PROC) -> ProcessInfo | None:
+    """What the kernel says of a process, or None when it is gone."""
+    base = f"{proc}/{pid}"
+    try:
+        pidns = os.stat(f"{base}/ns/pid").st_ino
+        with open(f"{base}/stat") as handle:
+            state, start = parse_stat(handle.read())
+        with open(f"{base}/status") as handle:
+            status = parse_status(handle.read())
+        with open(f"{base}/cgroup") as handle:
+            cgroups = parse_cgroups(handle.read())
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        inner = int(status.get("NSpid", str(pid)).split()[-1])
+        uid = int(status["Uid"].split()[0])
+        gid = int(status["Gid"].split()[0])
+        bounding = int(status.get("CapBnd", "0"), 16)
+    except (KeyError, ValueError, IndexError):
+        return None
+    return ProcessInfo(pid=pid, pidns=pidns, inner_pid=inner, start_time=start, uid=uid,
+                       gid=gid, cgroups=cgroups, cap_bounding=bounding, state=state)
+
+
+def owner_of(pid: int, proc: str = PROC) -> Owner | None:
+    """The identity of the container whose init is host pid `pid`."""
+    info = process_info(pid, proc)
+    if info is None:
+        return None
+    return Owner(pidns=info.pidns, cgroups=dict(info.cgroups), pid=pid,
+                 start_time=info.start_time)
+
+
+def host_pidns(proc: str = PROC) -> int:
+    """The pid namespace of the reader (the daemon runs in the host's)."""
+    return os.stat(f"{proc}/self/ns/pid").st_ino
+
+
+def host_cgroups(proc: str = PROC) -> dict[str, str]:
+    """The cgroups of pid 1 as the reader sees them: paths that identify nothing."""
+    try:
+        with open(f"{proc}/1/cgroup") as handle:
+            return parse_cgroups(handle.read())
+    except OSError:
+        return {}
+
+
+def pidns_ancestors(pid: int, proc: str = PROC, limit: int = 32) -> list[int]:
+    """Inodes of the pid namespaces above the one of `pid`, innermost first."""
+    found: list[int] = []
+    try:
+        fd = os.open(f"{proc}/{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return found
+    try:
+        for _ in range(limit):
+            try:
+                parent = fcntl.ioctl(fd, NS_GET_PARENT)
+            except OSError:
+                break  # the top, or a namespace the reader may not see above
+            os.close(fd)
+            fd = parent
+            found.append(os.fstat(fd).st_ino)
+    finally:
+        os.close(fd)
+    return found
+
+
+@dataclass(frozen=True)
+class Host:
+    """What identifies nothing: the reader's pid namespace and pid 1's cgroups."""
+
+    pidns: int
+    cgroups: Mapping[str, str]
+
+    @classmethod
+    def read(cls, proc: str = PROC) -> Host:
+        return cls(host_pidns(proc), host_cgroups(proc))
+
+
+def _under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def belongs(info: ProcessInfo, owner: Owner, host: Host, proc: str = PROC) -> bool:
+    """Whether the kernel puts this process in the container `owner` names."""
+    if owner.pidns and owner.pidns != host.pidns:
+        if info.pidns == owner.pidns:
+            return True
+        if info.pidns != host.pidns and owner.pidns in pidns_ancestors(info.pid, proc):
+            return True
+    for key, top in owner.cgroups.items():
+        if top in ("", "/") or host.cgroups.get(key) == top:
+            continue  # the host's own cgroup names nothing
+        path = info.cgroups.get(key)
+        if path is not None and _under(path, top):
+            return True
+    return False
+
+
+def all_pids(proc: str = PROC) -> Iterator[int]:
+    for entry in os.scandir(proc):
+        if entry.name.isdigit():
+            yield int(entry.name)
+
+
+def write_owner(region: Path, owner: Owner) -> None:
+    """Record a container's identity next to its region (root only)."""
+    path = region / OWNER_NAME
+    temporary = path.with_name(f".{OWNER_NAME}.{os.getpid()}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(owner.to_json())
+    os.replace(temporary, path)
+
+
+def read_owner(region: Path) -> Owner | None:
+    """A region's recorded identity, or None when there is none (or it is unreadable)."""
+    try:
+        return Owner.from_json((region / OWNER_NAME).read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,129 @@
+"""A GPU and its containers in simulated time, driving a `SliceScheduler`.
+
+The model is the one the product is built for: processes that launch
+kernels while their container's gate is open (at most `depth` queued each),
+a GPU that time-slices between processes with queued work (as a real GPU
+does between contexts, `timeslice` each), and drain answers that come when a
+process's queue has emptied after a close (what libcgpu's watcher reports),
+`answer_delay` later. The scheduler is stepped when a process starts waiting
+or answers (the doorbell) and at the time its decision names, each
+`step_delay` late. Shares are counted in completed kernels per container:
+the model's own count, never the scheduler's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from cgpu_km.sched import Observation, SliceScheduler
+
+
+@dataclass
+class Proc:
+    """One process of a container: `kernel` seconds per kernel, `depth` queued at most."""
+
+    container: str
+    kernel: float
+    depth: int = 2
+    queue: list[float] = field(default_factory=list)  # remaining seconds of each queued kernel
+    launches: int = 0
+    completed: int = 0
+    busy: float = 0.0
+    answered_seq: int = 0
+    drained_at: float = 0.0
+    empty_since: float | None = None
+
+
+def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
+        demand: Callable[[float, str], bool] = lambda t, name: True,
+        dt: float = 0.0001, timeslice: float = 0.002, answer_delay: float = 0.0002,
+        step_delay: float = 0.0003, on_step: Callable[[float], None] | None = None,
+        ) -> dict[str, int]:
+    """Run `duration` seconds; completed kernels per container.
+
+    `demand(t, name)`: whether that container's processes want to launch at t."""
+    names = sorted({p.container for p in procs})
+    open_: frozenset[str] = frozenset()
+    close_seq = dict.fromkeys(names, 0)
+    closed_at: dict[str, float] = {}
+    running: Proc | None = None
+    slice_left = timeslice
+    rr = 0
+    wake_at = 0.0
+    pending_step: float | None = 0.0
+    was_waiting = dict.fromkeys(names, False)
+    by_name: dict[str, list[Proc]] = {name: [p for p in procs if p.container == name]
+                                      for name in names}
+    t = 0.0
+    while t < duration:
+        # processes launch while their gate is open
+        for p in procs:
+            if p.container in open_ and demand(t, p.container):
+                while len(p.queue) < p.depth:
+                    p.queue.append(p.kernel)
+                    p.launches += 1
+        # the GPU: one process at a time, round robin in time slices
+        if running is not None and (not running.queue or slice_left <= 0):
+            running = None
+        if running is None:
+            for step in range(1, len(procs) + 1):
+                candidate = procs[(rr + step) % len(procs)]
+                if candidate.queue:
+                    running, rr, slice_left = candidate, (rr + step) % len(procs), timeslice
+                    break
+        if running is not None:
+            running.queue[0] -= dt
+            running.busy += dt
+            slice_left -= dt
+            if running.queue[0] <= 1e-12:
+                running.queue.pop(0)
+                running.completed += 1
+        t += dt
+        # drain answers: a process answers once its queue is empty after a close
+        rang = False
+        for p in procs:
+            seq = close_seq[p.container]
+            if p.answered_seq == seq or p.queue:
+                p.empty_since = None
+                continue
+            if p.empty_since is None:
+                p.empty_since = max(t, closed_at[p.container])
+            if t >= p.empty_since + answer_delay:
+                p.answered_seq, p.drained_at = seq, p.empty_since
+                rang = True
+        for name, mine in by_name.items():
+            waiting = (demand(t, name) and name not in open_) or any(p.queue for p in mine)
+            if waiting and not was_waiting[name]:
+                rang = True
+            was_waiting[name] = waiting
+        if rang and pending_step is None:
+            pending_step = t + step_delay
+        if t >= wake_at or (pending_step is not None and t >= pending_step):
+            pending_step = None
+            observed = {}
+            for name, mine in by_name.items():
+                watching = [p for p in mine if p.launches]
+                observed[name] = Observation(
+                    waiting=was_waiting[name],
+                    launches=sum(p.launches for p in mine),
+                    answered=all(p.answered_seq == close_seq[name] for p in watching),
+                    drained_at=max((p.drained_at for p in watching), default=0.0),
+                )
+            decision = scheduler.step(t, observed)
+            for name in open_ - decision.open:
+                close_seq[name] += 1
+                closed_at[name] = t
+            open_ = decision.open
+            wake_at = max(decision.wake_at, t + step_delay)
+            if on_step is not None:
+                on_step(t)
+    return {name: sum(p.completed for p in procs if p.container == name) for name in names}
+
+
+def kernels(counts: Mapping[str, int], procs: list[Proc]) -> dict[str, float]:
+    """Completed kernels in seconds of GPU work per container (`counts` names them)."""
+    work = dict.fromkeys(counts, 0.0)
+    for p in procs:
+        work[p.container] += p.completed * p.kernel
+    return work

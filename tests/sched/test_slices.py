@@ -1,0 +1,262 @@
+"""The slice scheduler against a time-slicing GPU model in simulated time.
+
+Every share here is counted in completed kernels of the model's processes
+(`slice_model`), compared with the policy table; the scheduler's own
+figures are only looked at where a test is about them.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cgpu_km.sched import (
+    ContainerSpec,
+    GpuConfig,
+    Observation,
+    Policy,
+    SliceScheduler,
+    allotments,
+)
+from tests.sched.slice_model import Proc, kernels, run
+
+W = ContainerSpec
+
+
+def fractions(config: GpuConfig, procs: list[Proc], duration: float, **kw: object
+              ) -> dict[str, float]:
+    """Each container's part of the GPU's time, from its completed kernels."""
+    counts = run(SliceScheduler(config), procs, duration, **kw)  # type: ignore[arg-type]
+    return {name: seconds / duration for name, seconds in kernels(counts, procs).items()}
+
+
+def busy(*names: str, kernel: float = 0.001, depth: int = 2) -> list[Proc]:
+    return [Proc(name, kernel, depth) for name in names]
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[GpuConfig, list[Proc]]:
+    max_inst = draw(st.integers(2, 25))
+    names = [f"c{i}" for i in range(draw(st.integers(1, 4)))]
+    specs: dict[str, ContainerSpec] = {}
+    free = max_inst
+    for name in names:
+        weight = draw(st.integers(0, min(free, 8)))
+        free -= weight
+        specs[name] = ContainerSpec(
+            weight=weight,
+            highprio=draw(st.booleans()) and draw(st.booleans()),
+            util_limit=draw(st.sampled_from([0, 0, 0, 10, 35, 60, 95])),
+        )
+    config = GpuConfig(
+        policy=draw(st.sampled_from([0, 1, 2, 3, 4])),  # type: ignore[arg-type]
+        max_inst=max_inst,
+        prio_ratio=draw(st.integers(20, 99)),
+        containers=specs,
+    )
+    procs = [Proc(name, kernel=draw(st.sampled_from([0.0005, 0.001, 0.003])),
+                  depth=draw(st.integers(1, 4)))
+             for name in names for _ in range(draw(st.integers(1, 2)))]
+    return config, procs
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_busy_containers_get_the_policy_table(scenario: tuple[GpuConfig, list[Proc]]) -> None:
+    config, procs = scenario
+    got = fractions(config, procs, 4.0)
+    want = allotments(config, set(config.containers))
+    total, allowed = sum(got.values()), float(sum(a.share for a in want.values()))
+    # Switching costs the GPU little: what the shares allow is used ...
+    assert total >= allowed - 0.04, got
+    # ... and it is split as the table says.
+    for name, allot in want.items() if allowed > 0 else ():
+        assert got[name] / total * allowed == pytest.approx(float(allot.share), abs=0.02), (
+            got, want)
+
+
+@pytest.mark.parametrize("kernel", [0.0002, 0.001, 0.005, 0.02])
+def test_one_to_two_is_counted_in_kernels(kernel: float) -> None:
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(2)})
+    got = fractions(config, busy("a", "b", kernel=kernel), 10.0)
+    assert got["b"] / got["a"] == pytest.approx(2.0, rel=0.02), got
+    assert sum(got.values()) >= 0.97, got
+
+
+def test_work_queued_past_a_slice_is_charged_to_its_owner() -> None:
+    # a queues 4 x 20 ms kernels per process: every slice runs 80 ms past its end
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(1)})
+    procs = [Proc("a", 0.02, 4), Proc("a", 0.02, 4), Proc("b", 0.001, 2)]
+    got = fractions(config, procs, 12.0)
+    assert got["a"] == pytest.approx(got["b"], rel=0.05), got
+
+
+def test_weight_scale_does_not_change_decisions() -> None:
+    def counts(wa: int, wb: int) -> dict[str, int]:
+        config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(wa), "b": W(wb)})
+        return run(SliceScheduler(config), busy("a", "b"), 3.0)
+
+    assert counts(8, 4) == counts(2, 1)
+
+
+def test_fair_share_caps_a_lone_busy_container() -> None:
+    config = GpuConfig(policy=Policy.FAIR_SHARE, max_inst=4, containers={"a": W(1), "b": W(1)})
+    got = fractions(config, busy("a"), 8.0, demand=lambda t, name: name == "a")
+    assert got["a"] == pytest.approx(0.25, abs=0.01), got
+
+
+def test_fixed_is_weight_over_max_inst() -> None:
+    config = GpuConfig(policy=Policy.FIXED, max_inst=8, containers={"a": W(3), "b": W(1)})
+    got = fractions(config, busy("a", "b"), 8.0)
+    assert got["a"] == pytest.approx(3 / 8, abs=0.01), got
+    assert got["b"] == pytest.approx(1 / 8, abs=0.01), got
+
+
+def test_preemptive_lone_active_container_gets_the_gpu() -> None:
+    config = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(1)})
+    got = fractions(config, busy("a", "b"), 6.0, demand=lambda t, name: name == "a")
+    assert got["a"] >= 0.97, got
+
+
+def test_soft_lends_what_a_light_container_leaves() -> None:
+    config = GpuConfig(policy=Policy.SOFT, containers={"a": W(1), "b": W(3)})
+
+    def demand(t: float, name: str) -> bool:
+        return name == "a" or int(t * 2) % 2 == 0  # b wants the GPU half of the time
+
+    got = fractions(config, busy("a", "b"), 8.0, demand=demand)
+    # b: 3/4 while it wants, nothing otherwise; a takes the rest
+    assert got["b"] == pytest.approx(0.375, abs=0.03), got
+    assert got["a"] == pytest.approx(0.625, abs=0.03), got
+
+
+def test_weighted_keeps_idle_slices_idle() -> None:
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(2)})
+    got = fractions(config, busy("a", "b"), 8.0, demand=lambda t, name: name == "a")
+    assert got["a"] == pytest.approx(1 / 3, abs=0.01), got
+
+
+@pytest.mark.parametrize("policy", [0, 1, 2, 3, 4])
+def test_util_limit_caps_under_every_policy(policy: int) -> None:
+    config = GpuConfig(policy=Policy(policy), max_inst=4,
+                       containers={"a": W(2, util_limit=20), "b": W(2)})
+    got = fractions(config, busy("a", "b"), 8.0)
+    assert got["a"] <= 0.21, got
+
+
+def test_highprio_takes_prio_ratio_and_preempts() -> None:
+    config = GpuConfig(policy=Policy.PREEMPTIVE, prio_ratio=70,
+                       containers={"hi": W(1, highprio=True), "lo": W(1)})
+    got = fractions(config, busy("hi", "lo"), 8.0)
+    assert got["hi"] == pytest.approx(0.70, abs=0.02), got
+    assert got["lo"] == pytest.approx(0.30, abs=0.02), got
+
+
+def test_highprio_waits_no_longer_than_a_drain() -> None:
+    """A waiting high-priority container ends the holder's slice at once."""
+    config = GpuConfig(policy=Policy.PREEMPTIVE, prio_ratio=80,
+                       containers={"hi": W(1, highprio=True), "lo": W(1)})
+    scheduler = SliceScheduler(config, quantum=0.5)
+    first = scheduler.step(0.0, {"lo": Observation(waiting=True)})
+    assert first.open == {"lo"}
+    closed = scheduler.step(0.01, {"lo": Observation(waiting=True, launches=5),
+                                   "hi": Observation(waiting=True)})
+    assert closed.open == frozenset(), "the low-priority slice ends before its quantum"
+    drained = scheduler.step(0.012, {"lo": Observation(waiting=True, launches=5, answered=True,
+                                                       drained_at=0.011),
+                                     "hi": Observation(waiting=True)})
+    assert drained.open == {"hi"}
+
+
+def test_native_opens_every_gate_and_caps_by_duty_cycle() -> None:
+    config = GpuConfig(policy=Policy.NATIVE, containers={"a": W(1, util_limit=30), "b": W(0)})
+    scheduler = SliceScheduler(config)
+    decision = scheduler.step(0.0, {})
+    assert decision.open == {"a", "b"}, "native: weight 0 runs like everyone else"
+    got = fractions(config, busy("a", "b"), 8.0)
+    assert got["a"] <= 0.31, got
+    assert got["a"] + got["b"] >= 0.97, got
+    alone = fractions(config, busy("a", "b"), 8.0, demand=lambda t, name: name == "a")
+    assert 0.25 <= alone["a"] <= 0.31, alone
+
+
+@pytest.mark.parametrize("policy", [0, 1, 2, 3, 4])
+def test_weight_zero_gets_no_compute(policy: int) -> None:
+    config = GpuConfig(policy=Policy(policy), containers={"a": W(0), "b": W(1)})
+    got = fractions(config, busy("a", "b"), 2.0)
+    assert got["a"] == 0, got
+
+
+def test_a_new_container_is_granted_within_a_slice() -> None:
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(1)})
+    scheduler = SliceScheduler(config, quantum=0.02)
+    assert scheduler.step(0.0, {"a": Observation(waiting=True)}).open == {"a"}
+    t, launches = 0.0, 0
+    granted_b = None
+    drained = 0.0
+    while granted_b is None and t < 1.0:
+        t += 0.001
+        launches += 1
+        a = Observation(waiting=True, launches=launches, answered=scheduler.draining,
+                        drained_at=drained)
+        if scheduler.draining:
+            drained = t
+        decision = scheduler.step(t, {"a": a, "b": Observation(waiting=True)})
+        if decision.is_open("b"):
+            granted_b = t
+    assert granted_b is not None
+    assert granted_b <= 0.025
+
+
+def test_a_holder_that_never_answers_is_cut_and_charged() -> None:
+    config = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(1)})
+    scheduler = SliceScheduler(config, quantum=0.02, drain_timeout=0.1)
+    both = {"a": Observation(waiting=True), "b": Observation(waiting=True)}
+    holder = scheduler.step(0.0, both).holder
+    assert holder is not None
+    silent = {**both, holder: Observation(waiting=True, answered=False)}
+    assert scheduler.step(0.02, silent).open == frozenset()
+    assert scheduler.step(0.05, silent).open == frozenset(), "still draining"
+    after = scheduler.step(0.125, silent)
+    assert after.open
+    assert holder not in after.open
+    assert scheduler.used()[holder] == pytest.approx(0.125)
+
+
+def test_credits_stay_bounded() -> None:
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(2)})
+    scheduler = SliceScheduler(config)
+    peaks: list[float] = []
+    run(scheduler, busy("a", "b"), 20.0,
+        on_step=lambda t: peaks.append(max(abs(c) for c in scheduler.credits().values())))
+    assert max(peaks[len(peaks) // 2:]) < 0.1, "switching time is owed to nobody"
+
+
+def test_policy_change_takes_effect_at_the_next_step() -> None:
+    two = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(3)})
+    scheduler = SliceScheduler(two)
+    scheduler.configure(GpuConfig(policy=Policy.NATIVE, containers=two.containers))
+    assert scheduler.step(0.0, {}).open == {"a", "b"}
+    assert scheduler.step(0.01, {}).shares["a"] == Fraction(1)
+
+
+def test_state_round_trip_keeps_accounts() -> None:
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(1)})
+    scheduler = SliceScheduler(config)
+    run(scheduler, busy("a", "b"), 1.0)
+    restored = SliceScheduler(config)
+    restored.restore(scheduler.to_state())
+    assert restored.credits() == scheduler.credits()
+    assert restored.used() == scheduler.used()
+
+
+def test_time_going_backwards_and_bad_knobs_are_refused() -> None:
+    scheduler = SliceScheduler(GpuConfig(containers={"a": W(1)}))
+    scheduler.step(1.0, {})
+    with pytest.raises(ValueError, match="backwards"):
+        scheduler.step(0.5, {})
+    with pytest.raises(ValueError, match="quantum"):
+        SliceScheduler(GpuConfig(), quantum=0)
