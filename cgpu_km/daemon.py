@@ -1,19 +1,24 @@
-"""cgpu-daemon: the host daemon (trio) that turns the control tree into gate decisions.
+"""cgpu-daemon: the host daemon (trio) that turns the control tree into GPU slices.
 
-Responsibilities, each its own task or nursery (see `Daemon.run`):
+Responsibilities, each its own task with its own worker thread (one slow
+service never holds up another; see `Daemon.run`):
 
 - tree: inotify says which nodes were written, so `echo 2 > <root>/0/policy`
   acts within one period; a slow poll (`--tree-refresh`, `--full-refresh`)
   is the safety net, and without inotify the GPU nodes are polled every
-  period; SIGHUP re-reads everything; `upgrade` is watched too.
-- scheduling: every period one sample of the data plane (GPU time used and
-  activity per container), one `cgpu_km.sched.GateScheduler` step per GPU,
-  and the gates that changed set in one trip to the worker thread; plus the
-  heartbeat (every `HEARTBEAT_INTERVAL`) that keeps gates from failing open.
-- memory: NVML's per-process memory, fed into the tree (`meminfo`), and the
-  backstop that stops processes of a container over its limit.
+  period; SIGHUP re-reads everything; `upgrade` is watched too. A new
+  container's region is attached when the tree lists it (and looked for
+  every period until it is there). A `memsize` written in the tree goes into
+  the container's region at once (live memory limits).
+- scheduling: the data plane runs one dispatcher thread per GPU
+  (`cgpu_km.dispatch`), which hands the GPU to one container at a time in
+  slices and stamps the heartbeat; this daemon only configures them.
+- memory: NVML's processes, put into containers by the kernel's view, fed
+  into the tree (`meminfo`), and the backstop that stops the processes of a
+  container over its limit (each stop a task of its own, with a deadline).
+- slots: the process slots of processes the kernel no longer runs are freed.
 - publishing: the snapshot for `cgpu-smi` and Prometheus, the state file.
-- systemd: READY, WATCHDOG (only while the schedulers tick), RELOADING, STOPPING.
+- systemd: READY, WATCHDOG (only while the dispatchers step), RELOADING, STOPPING.
 
 Signals: TERM/INT open every gate, save the state and exit 0; HUP reloads.
 Writing 1 to `upgrade` saves the state and re-executes the daemon (same pid,
@@ -45,19 +50,10 @@ import trio
 
 from cgpu_km import snapshot as snap
 from cgpu_km import treefs
-from cgpu_km.daemon_io import (
-    FsTree,
-    GpuNodes,
-    Key,
-    Plane,
-    PlaneSample,
-    ProcessMemory,
-    QuickView,
-    Tree,
-    Watcher,
-)
+from cgpu_km.backstop import Grandfather, MemoryView, over_limit
+from cgpu_km.daemon_io import FsTree, GpuNodes, Key, Plane, QuickView, Tree, Watcher
 from cgpu_km.gpus import GpuInfo
-from cgpu_km.sched import ContainerSpec, GateDecision, GateScheduler, GpuConfig
+from cgpu_km.sched import ContainerSpec, GpuConfig
 from cgpu_km.sdnotify import Notifier, watchdog_interval
 
 log = logging.getLogger("cgpu-daemon")
@@ -78,16 +74,19 @@ STATE_MAX_AGE = 60.0
 class Settings:
     """Timing knobs (seconds)."""
 
-    period: float = 0.1  # long-run shares do not depend on it; CPU use does (see make bench)
+    period: float = 0.1  # tree polls without inotify, and the look for new regions
+    slice: float = 0.02  # the scheduling quantum: one container's turn on a GPU (about)
     tree_refresh: float = 5.0  # poll of the GPU nodes while inotify watches the tree
     full_refresh: float = 30.0  # every container's nodes, in case a change was missed
     memory_interval: float = 0.5
+    reclaim_interval: float = 1.0  # the kernel is asked which slots' processes are gone
     publish_interval: float = 2.0  # snapshot for cgpu-smi and /metrics
     save_interval: float = 5.0  # state file (also written on exit and before a hot update)
+    stop_deadline: float = 15.0  # a stop (OOM script, then SIGKILL) is given up after this
 
     def __post_init__(self) -> None:
-        for name in ("period", "tree_refresh", "full_refresh", "memory_interval",
-                     "publish_interval", "save_interval"):
+        for name in ("period", "slice", "tree_refresh", "full_refresh", "memory_interval",
+                     "reclaim_interval", "publish_interval", "save_interval", "stop_deadline"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
@@ -100,32 +99,6 @@ def gpu_config(nodes: GpuNodes, specs: Mapping[str, ContainerSpec]) -> GpuConfig
         prio_ratio=nodes.prio_ratio,
         containers={n: specs.get(n, ContainerSpec(weight=0)) for n in sorted(nodes.containers)},
     )
-
-
-GpuSample = tuple[dict[str, float], set[str]]  # one GPU's usage and active containers
-_NOTHING: GpuSample = ({}, set())
-# Gates fail open when the heartbeat is older than the region's gate timeout (2 s).
-HEARTBEAT_INTERVAL = 0.25
-
-
-def split_by_gpu(sample: PlaneSample) -> dict[int, GpuSample]:
-    """A plane sample cut into one (usage, active) pair per GPU."""
-    per_gpu: dict[int, GpuSample] = {}
-    for (gpu, name), used in sample.usage.items():
-        per_gpu.setdefault(gpu, ({}, set()))[0][name] = used
-    for gpu, name in sample.active:
-        per_gpu.setdefault(gpu, ({}, set()))[1].add(name)
-    return per_gpu
-
-
-@dataclass
-class GpuState:
-    """One GPU's live state: its scheduler and what it decided last."""
-
-    index: int
-    scheduler: GateScheduler
-    decision: GateDecision | None = None
-    ticks: int = 0
 
 
 @dataclass
@@ -143,8 +116,7 @@ class DaemonView:
         return gpu_config(nodes, specs)
 
 
-async def _in_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
-    return await trio.to_thread.run_sync(fn, limiter=limiter)
+SERVICES = ("tree", "regions", "memory", "meminfo", "slots", "publish")
 
 
 class Daemon:
@@ -164,6 +136,8 @@ class Daemon:
         gpu_info: Mapping[int, GpuInfo] | None = None,
         publish: Callable[[snap.Snapshot], None] | None = None,
     ) -> None:
+        """`blocking` runs every blocking call (tests pass one that runs inline);
+        without it each service has a worker thread of its own."""
         self.tree = tree
         self.plane = plane
         self.state_dir = state_dir
@@ -171,14 +145,13 @@ class Daemon:
         self.notifier = notifier or Notifier({})
         self.wall_clock = wall_clock
         self.restart = restart
-        if blocking is None:
-            limiter = trio.CapacityLimiter(1)
-            blocking = partial(_in_thread, limiter=limiter)
-        self._blocking: Blocking[Any] = blocking
+        self._inline = blocking
+        self._limiters = {name: trio.CapacityLimiter(1) for name in SERVICES}
+        self._stops = trio.CapacityLimiter(4)
         self.view = DaemonView()
-        self.gpus: dict[int, GpuState] = {}
+        self.scheduled: set[int] = set()
+        self.limits: dict[Key, int] = {}
         self.fed_meminfo: dict[Key, dict[int, int]] = {}
-        self.last_tick = 0.0
         self.upgrading = False
         self._saved_state: dict[str, Any] | None = None
         self._tree_error: str | None = None
@@ -187,20 +160,28 @@ class Daemon:
         self.version = ""
         self.publish = publish
         self.started = wall_clock()
-        self.last_sample = PlaneSample(usage={}, active=set())
-        self.usage_start: dict[Key, float] = {}
         self.utilization: dict[Key, float] = {}
         self._usage_history: collections.deque[tuple[float, dict[Key, float]]] = (
             collections.deque())
-        self.memory = ProcessMemory(by_container={})
+        self.memory = MemoryView(by_container={})
+        self.grandfather = Grandfather()
+        self.lowered: set[Key] = set()
+        self.stopping: set[tuple[Key, int]] = set()
         self.stopped: dict[Key, int] = {}
+
+    async def _run(self, service: str, fn: Callable[[], T]) -> T:
+        """A blocking call of one service, in that service's worker thread."""
+        if self._inline is not None:
+            result: T = await self._inline(fn)
+            return result
+        return await trio.to_thread.run_sync(fn, limiter=self._limiters[service])
 
     # -- the tree ------------------------------------------------------------
 
     async def _read_container(self, gpu: int, name: str) -> bool:
         """Read one container's nodes into the view; False when it is gone."""
         try:
-            nodes = await self._blocking(partial(self.tree.read_container, gpu, name))
+            nodes = await self._run("tree", partial(self.tree.read_container, gpu, name))
         except FileNotFoundError:
             return False
         self.view.specs[gpu, name] = ContainerSpec(
@@ -229,33 +210,37 @@ class Daemon:
                 del table[key]
         if came_or_went or every_container:
             names = {g: set(nodes.containers) for g, nodes in quick.gpus.items()}
-            await self._blocking(partial(self.plane.attach, names))
+            await self._run("regions", partial(self.plane.attach, names))
             if self.watcher is not None:
                 self.watcher.sync(self.view.nodes)
         self._apply()
 
     async def _read_all(self) -> None:
         """Every node of the tree (start, SIGHUP, and the slow safety sweep)."""
-        quick = await self._blocking(partial(self.tree.read_quick, True))
+        quick = await self._run("tree", partial(self.tree.read_quick, True))
         self.version = quick.version
         await self._refresh(quick, every_container=True)
 
     def _apply(self) -> None:
-        """Push the view into the GPU schedulers, creating or dropping GPUs."""
-        for index in list(self.gpus):
-            if index not in self.view.nodes:
-                del self.gpus[index]
+        """Push the view into the data plane: each GPU's configuration to its
+        dispatcher (started on first use), each container's memsize to its region."""
+        for index in self.scheduled - set(self.view.nodes):
+            self.plane.forget_gpu(index)
+        self.scheduled &= set(self.view.nodes)
         for index in self.view.nodes:
-            config = self.view.config(index)
-            state = self.gpus.get(index)
-            if state is None:
-                scheduler = GateScheduler(config, period=self.settings.period)
-                saved = (self._saved_state or {}).get("gpus", {}).get(str(index))
-                if saved:
-                    scheduler.restore(saved)
-                self.gpus[index] = GpuState(index, scheduler)
-            elif state.scheduler.config != config:
-                state.scheduler.configure(config)
+            saved = (self._saved_state or {}).get("gpus", {}).get(str(index))
+            self.plane.schedule(index, self.view.config(index),
+                                saved if index not in self.scheduled else None)
+            self.scheduled.add(index)
+        for key, memsize in self.view.memsize.items():
+            before = self.limits.get(key)
+            if before != memsize:
+                if before is not None and (before == 0 or 0 < memsize < before):
+                    self.lowered.add(key)
+                self.plane.set_limit(key, memsize)
+                self.limits[key] = memsize
+        for key in set(self.limits) - set(self.view.memsize):
+            del self.limits[key]
 
     async def _serve_tree(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                           ) -> None:
@@ -296,13 +281,13 @@ class Daemon:
                     self._note_tree_error(error)
 
     async def _poll(self) -> None:
-        quick = await self._blocking(self.tree.read_quick)
+        quick = await self._run("tree", self.tree.read_quick)
         await self._refresh(quick)
         if quick.upgrade == 1 and self.restart is not None and not self.upgrading:
             await self._upgrade()
 
     async def _poll_names(self) -> None:
-        names = await self._blocking(self.tree.read_names)
+        names = await self._run("tree", self.tree.read_names)
         if set(names) != set(self.view.nodes):
             await self._poll()
             return
@@ -356,77 +341,65 @@ class Daemon:
             self._note_tree_error(error)
         self.notifier.ready(self._status())
 
-    # -- accounting and the schedulers ---------------------------------------
+    # -- regions: new containers' regions, freed slots -------------------------
 
-    async def _serve_scheduling(
+    async def _serve_regions(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Every period: measure, step every GPU's scheduler, set the gates that changed."""
+        """Every period: attach the regions of listed containers that had none
+        (the hook and cgpu-run register before they create the region)."""
         task_status.started()
         deadline = trio.current_time()
-        next_beat = deadline
         while True:
-            beat = trio.current_time() >= next_beat
-            if beat:
-                next_beat = trio.current_time() + HEARTBEAT_INTERVAL
-            sample = await self._blocking(partial(self._measure, beat))
-            now = trio.current_time()  # as close to the measurement as this loop gets
-            for key, used in sample.usage.items():
-                self.usage_start.setdefault(key, used)
-            self.last_sample = sample
-            per_gpu = split_by_gpu(sample)
-            changed: dict[int, frozenset[str]] = {}
-            for index, state in list(self.gpus.items()):
-                usage, active = per_gpu.get(index, _NOTHING)
-                decision = state.scheduler.step(now, usage, active)
-                if state.decision is None or decision.open != state.decision.open:
-                    changed[index] = decision.open
-                state.decision = decision
-                state.ticks += 1
-            if changed:
-                await self._blocking(partial(self._drive, changed))
-            self.last_tick = now
             deadline += self.settings.period
             await trio.sleep_until(deadline)
+            missing: set[str] = await self._run("regions", self.plane.missing)
+            if self.view.nodes and missing:
+                names = {g: set(nodes.containers) for g, nodes in self.view.nodes.items()}
+                await self._run("regions", partial(self.plane.attach, names))
 
-    def _measure(self, beat: bool) -> PlaneSample:
-        """Worker thread: measure, and stamp the heartbeat when it is due."""
-        sample = self.plane.sample()
-        if beat:
-            self.plane.heartbeat()
-        return sample
-
-    def _drive(self, changed: Mapping[int, frozenset[str]]) -> None:
-        """Worker thread: set the gates of the GPUs whose decision changed."""
-        for index, open_ in changed.items():
-            self.plane.set_gates(index, open_)
+    async def _serve_slots(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Every reclaim interval: free the slots of processes that are gone."""
+        task_status.started()
+        deadline = trio.current_time()
+        while True:
+            deadline += self.settings.reclaim_interval
+            await trio.sleep_until(deadline)
+            try:
+                await self._run("slots", self.plane.reclaim)
+            except OSError as error:
+                log.warning("cannot reclaim process slots: %s", error)
 
     # -- memory: meminfo feed and backstop -----------------------------------
 
     async def _serve_memory(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        task_status.started()
-        deadline = trio.current_time()
-        while True:
-            try:
-                memory = await self._blocking(self.plane.memory)
-            except OSError as error:
-                log.warning("cannot read GPU memory: %s", error)
-            else:
-                self.memory = memory
-                await self._feed_meminfo(memory.by_container)
-                await self._backstop(memory.by_container)
-            deadline += self.settings.memory_interval
-            await trio.sleep_until(deadline)
+        async with trio.open_nursery() as stops:
+            task_status.started()
+            deadline = trio.current_time()
+            while True:
+                try:
+                    memory = await self._run("memory", self.plane.memory)
+                except OSError as error:
+                    log.warning("cannot read GPU memory: %s", error)
+                else:
+                    self.memory = memory
+                    self._backstop(memory, stops)
+                    await self._feed_meminfo(memory)
+                deadline += self.settings.memory_interval
+                await trio.sleep_until(deadline)
 
-    async def _feed_meminfo(self, by_container: Mapping[Key, Mapping[int, int]]) -> None:
+    async def _feed_meminfo(self, memory: MemoryView) -> None:
         for key in list(self.view.specs):  # the tree task may change it while we await
-            procs = dict(by_container.get(key, {}))
+            found = memory.by_container.get(key)
+            procs = dict(found.procs) if found is not None else {}
             if self.fed_meminfo.get(key) == procs:
                 continue
             try:
-                await self._blocking(partial(self.tree.feed_meminfo, key[0], key[1], procs))
+                await self._run("meminfo", partial(self.tree.feed_meminfo, key[0], key[1], procs))
             except OSError as error:
                 log.debug("meminfo %s on GPU %d not fed: %s", key[1], key[0], error)
                 continue
@@ -434,18 +407,43 @@ class Daemon:
         for key in set(self.fed_meminfo) - set(self.view.specs):
             del self.fed_meminfo[key]
 
-    async def _backstop(self, by_container: Mapping[Key, Mapping[int, int]]) -> None:
-        for key, procs in by_container.items():
+    def _backstop(self, memory: MemoryView, stops: trio.Nursery) -> None:
+        """Stop the largest processes of every container over its limit, each in a
+        task of its own. A limit lowered below what a cGPU container holds leaves
+        it what it held until its use falls under (eGPU: the operator asked for
+        the OOM script and the stop)."""
+        lowered, self.lowered = self.lowered, set()
+        for key, found in memory.by_container.items():
             limit = self.view.memsize.get(key, 0)
-            over = over_limit(procs, limit)
-            if over:
-                log.warning(
-                    "container %s on GPU %d holds %d bytes over its limit of %d: stopping pids %s",
-                    key[1], key[0], sum(procs.values()) - limit, limit,
-                    " ".join(map(str, over)),
-                )
-                await self._blocking(partial(self.plane.stop, key[0], key[1], over))
-                self.stopped[key] = self.stopped.get(key, 0) + len(over)
+            if not self.plane.egpu(key):
+                limit = self.grandfather.limit(key, limit, found.total, key in lowered)
+            over = [pid for pid in over_limit(found.procs, limit)
+                    if (key, pid) not in self.stopping]
+            if not over:
+                continue
+            log.warning("container %s on GPU %d holds %d bytes over its limit of %d: "
+                        "stopping pids %s", key[1], key[0], found.total - limit, limit,
+                        " ".join(map(str, over)))
+            for pid in over:
+                self.stopping.add((key, pid))
+                stops.start_soon(self._stop, key, pid)
+        self.grandfather.forget(set(memory.by_container))
+
+    async def _stop(self, key: Key, pid: int) -> None:
+        try:
+            with trio.move_on_after(self.settings.stop_deadline) as scope:
+                if self._inline is not None:
+                    await self._inline(partial(self.plane.stop, key, pid))
+                else:
+                    await trio.to_thread.run_sync(partial(self.plane.stop, key, pid),
+                                                  limiter=self._stops,
+                                                  abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                log.warning("stopping pid %d of %s took over %.0f s", pid, key[1],
+                            self.settings.stop_deadline)
+            self.stopped[key] = self.stopped.get(key, 0) + 1
+        finally:
+            self.stopping.discard((key, pid))
 
     # -- publishing, state, systemd ------------------------------------------
 
@@ -457,14 +455,17 @@ class Daemon:
             "format": STATE_FORMAT,
             "pid": os.getpid(),
             "saved": self.wall_clock(),
-            "gpus": {str(i): s.scheduler.to_state() for i, s in self.gpus.items()},
+            "gpus": {str(i): self.plane.scheduler_state(i) for i in sorted(self.scheduled)},
         }
 
     def save_state(self) -> None:
+        self._write_state(self.state())
+
+    def _write_state(self, state: dict[str, Any]) -> None:
         path = self.state_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(self.state(), sort_keys=True))
+        temporary.write_text(json.dumps(state, sort_keys=True))
         os.replace(temporary, path)
 
     def load_state(self) -> None:
@@ -486,9 +487,13 @@ class Daemon:
         self._saved_state = data
         log.info("restored scheduler state saved %.1f s ago", age)
 
-    def _utilization_since(self, now: float) -> dict[Key, float]:
+    def _gpu_time(self) -> dict[Key, float]:
+        """GPU seconds each container was charged by its GPU's dispatcher."""
+        return {(gpu, name): used for gpu, figures in self.plane.figures().items()
+                for name, used in figures.used.items()}
+
+    def _utilization_since(self, now: float, usage: dict[Key, float]) -> dict[Key, float]:
         """Each container's GPU time per second over the last UTILIZATION_WINDOW (0..1)."""
-        usage = dict(self.last_sample.usage)
         history = self._usage_history
         while history and now - history[0][0] > UTILIZATION_WINDOW:
             history.popleft()
@@ -503,14 +508,16 @@ class Daemon:
     def snapshot(self) -> snap.Snapshot:
         """The figures `cgpu-smi` and Prometheus show, frozen now."""
         now = self.wall_clock()
-        self.utilization = self._utilization_since(now)
+        usage = self._gpu_time()
+        figures = self.plane.figures()
+        self.utilization = self._utilization_since(now, usage)
         gpus = []
         containers = []
         for index in sorted(self.view.nodes):
             nodes = self.view.nodes[index]
             info = self.gpu_info.get(index)
             total = info.memory_total if info else 0
-            decision = self.gpus[index].decision if index in self.gpus else None
+            shares = figures[index].shares if index in figures else {}
             used_gpu = self.memory.used_by_gpu.get(index)
             weights = sum(self.view.specs[index, n].weight for n in nodes.containers
                           if (index, n) in self.view.specs)
@@ -527,21 +534,21 @@ class Daemon:
                 spec = self.view.specs.get(key)
                 if spec is None:
                     continue
-                procs = self.memory.by_container.get(key, {})
+                found = self.memory.by_container.get(key)
+                procs = found.procs if found is not None else {}
+                unmanaged = found.unmanaged if found is not None else frozenset()
                 memsize = self.view.memsize.get(key, 0)
-                usage = self.last_sample.usage.get(key, 0.0)
                 containers.append(snap.ContainerFigures(
                     name=name, id=self.view.ids.get(key, 0), gpu=index, weight=spec.weight,
                     highprio=spec.highprio, util_limit=spec.util_limit,
-                    target_share=float(decision.shares.get(name, 0)) if decision else 0.0,
+                    target_share=float(shares.get(name, 0)),
                     utilization=min(1.0, self.utilization.get(key, 0.0)),
                     memory_used_bytes=sum(procs.values()),
                     memory_limit_bytes=memsize or total,
-                    gpu_time_seconds=max(0.0, usage - self.usage_start.get(key, usage)),
-                    gate_wait_seconds=self.last_sample.gate_wait.get(key, 0.0),
-                    oom_events=self.last_sample.oom_refusals.get(key, 0)
-                    + self.stopped.get(key, 0),
-                    processes=tuple(snap.ProcessFigures(pid, size)
+                    gpu_time_seconds=usage.get(key, 0.0),
+                    gate_wait_seconds=self.memory.gate_wait.get(key, 0.0),
+                    oom_events=self.memory.oom_refusals.get(key, 0) + self.stopped.get(key, 0),
+                    processes=tuple(snap.ProcessFigures(pid, size, pid not in unmanaged)
                                     for pid, size in sorted(procs.items())),
                 ))
         return snap.Snapshot(
@@ -554,40 +561,42 @@ class Daemon:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         task_status.started()
-        next_save = trio.current_time() + self.settings.publish_interval  # soon after start
+        deadline = trio.current_time()
+        next_save = deadline + self.settings.publish_interval  # soon after start
         while True:
             if self.publish is not None:
                 try:
-                    self.publish(self.snapshot())
+                    snapshot = self.snapshot()
+                    await self._run("publish", partial(self.publish, snapshot))
                 except OSError as error:
                     log.warning("cannot publish the snapshot: %s", error)
-            await trio.sleep(self.settings.publish_interval)
+            deadline += self.settings.publish_interval
+            await trio.sleep_until(deadline)
             if trio.current_time() >= next_save:
                 next_save = trio.current_time() + self.settings.save_interval
                 try:
-                    self.save_state()
+                    await self._run("publish", self.save_state)
                 except OSError as error:
                     log.warning("cannot save state: %s", error)
 
     async def _serve_watchdog(self, interval: float) -> None:
+        deadline = trio.current_time()
         while True:
-            await trio.sleep(interval)
-            # Ping only while the schedulers tick: a stuck daemon gets restarted.
-            stalled = self.gpus and trio.current_time() - self.last_tick > max(
-                interval * 2, self.settings.period * 10
-            )
-            if not stalled:
+            deadline += interval
+            await trio.sleep_until(deadline)
+            # Ping only while the dispatchers step: a stuck daemon gets restarted.
+            if self.plane.ticking(within=max(interval * 2, 2.0)):
                 self.notifier.watchdog()
 
     def _status(self) -> str:
-        return f"{len(self.gpus)} GPUs, {len(self.view.specs)} containers"
+        return f"{len(self.view.nodes)} GPUs, {len(self.view.specs)} containers"
 
     async def _finish_upgrade_if_restarted(self) -> None:
         if os.environ.get(UPGRADED_ENV) != "1":
             return
         os.environ.pop(UPGRADED_ENV, None)
         try:
-            await self._blocking(self.tree.finish_upgrade)
+            await self._run("tree", self.tree.finish_upgrade)
             log.info("hot update done")
         except OSError as error:
             log.error("cannot write 0 to upgrade: %s", error)
@@ -611,15 +620,15 @@ class Daemon:
         try:
             async with trio.open_nursery() as services:
                 await services.start(self._serve_tree)
-                await services.start(self._serve_scheduling)
+                await services.start(self._serve_regions)
+                await services.start(self._serve_slots)
                 await services.start(self._serve_memory)
                 await services.start(self._serve_publish)
                 interval = watchdog_interval()
                 if interval is not None:
                     services.start_soon(self._serve_watchdog, interval)
-                self.last_tick = trio.current_time()
                 self.notifier.ready(self._status())
-                log.info("running: %s, period %.3f s", self._status(), self.settings.period)
+                log.info("running: %s, slice %.3f s", self._status(), self.settings.slice)
                 task_status.started()
         finally:
             if self.watcher is not None:
@@ -631,27 +640,16 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Fail open and keep the credits for the next daemon (synchronous, never raises)."""
+        state: dict[str, Any] | None = None
+        with contextlib.suppress(Exception):
+            state = self.state()
         try:
-            self.plane.open_all()
+            self.plane.close()
         except Exception as error:  # the gates must open: log whatever failed
             log.error("opening the gates failed: %s", error)
         with contextlib.suppress(OSError):
-            if self.gpus:
-                self.save_state()
-
-
-def over_limit(procs: Mapping[int, int], limit: int) -> list[int]:
-    """The processes to stop so that the rest fit in `limit` (largest first); [] if within."""
-    if limit <= 0:
-        return []
-    total = sum(procs.values())
-    chosen: list[int] = []
-    for pid, size in sorted(procs.items(), key=lambda item: (-item[1], item[0])):
-        if total <= limit:
-            break
-        chosen.append(pid)
-        total -= size
-    return chosen
+            if state is not None and self.scheduled:
+                self._write_state(state)
 
 
 async def run_with_signals(daemon: Daemon) -> None:
@@ -677,7 +675,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--region-dir", help="containers' shared-memory regions "
                         "(default: $CGPU_REGION_DIR, else /run/cgpu_km-regions)")
     parser.add_argument("--period", type=float, default=Settings.period,
-                        help="scheduling period in seconds (default %(default)s)")
+                        help="how soon tree changes and new regions are seen without "
+                        "inotify, in seconds (default %(default)s)")
+    parser.add_argument("--slice", type=float, default=Settings.slice,
+                        help="scheduling quantum: the shortest turn of a container on a GPU, "
+                        "in seconds (default %(default)s)")
     parser.add_argument("--tree-refresh", type=float, default=Settings.tree_refresh,
                         help="seconds between polls of the GPU nodes while inotify watches "
                         "the tree (without inotify: every period)")
@@ -722,8 +724,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="cgpu-daemon: %(message)s", stream=sys.stderr,
     )
     try:
-        settings = Settings(period=args.period, tree_refresh=args.tree_refresh,
-                            full_refresh=args.full_refresh)
+        settings = Settings(period=args.period, slice=args.slice,
+                            tree_refresh=args.tree_refresh, full_refresh=args.full_refresh)
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
         return 2
@@ -743,7 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpuError as error:
         log.warning("%s: GPU names and totals unknown", error)
         gpu_info = {}
-    plane = make_plane(args.region_dir)
+    plane = make_plane(args.region_dir, quantum=settings.slice)
     holder = metrics.SnapshotHolder()
     server = None
     if listen is not None:

@@ -6,10 +6,9 @@ tests inject fakes and run it in trio's mock time:
 - `Tree`: the control tree (/proc/cgpu_km or FUSE), read node by node with
   one open/read/close each (every read is a round trip through FUSE), plus
   an optional `Watcher` (inotify) that says which nodes were written.
-- `Plane`: the data plane: per-container GPU time and activity, the gates,
-  the heartbeat, per-process memory from NVML, and stopping processes that
-  are over their memory limit. Its calls block (NVML, file I/O); the daemon
-  runs them in a worker thread.
+- `Plane`: the data plane: the regions, one dispatcher thread per GPU that
+  hands the GPU to one container at a time, per-process memory from NVML
+  attributed by the kernel, and stopping processes over their limit.
 """
 
 from __future__ import annotations
@@ -18,17 +17,18 @@ import ctypes
 import errno
 import logging
 import os
-import signal
 import struct
-import subprocess
 import time
 from collections.abc import Mapping, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cgpu_km import treefs
+from cgpu_km.backstop import MemoryView
+from cgpu_km.dispatch import Figures
 from cgpu_km.nodes import NODES_BY_LEVEL, Level
+from cgpu_km.sched import GpuConfig
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -110,45 +110,53 @@ class Tree(Protocol):
         """A change watcher for this tree, or None (then the daemon polls every period)."""
 
 
-@dataclass(frozen=True)
-class PlaneSample:
-    """What the data plane measured at one instant."""
-
-    usage: Mapping[Key, float]  # cumulative GPU busy seconds per container and GPU
-    active: Set[Key]  # containers that have work waiting or ran work lately
-    gate_wait: Mapping[Key, float] = field(default_factory=dict)  # cumulative seconds
-    oom_refusals: Mapping[Key, int] = field(default_factory=dict)  # cumulative count
-
-
-@dataclass(frozen=True)
-class ProcessMemory:
-    """GPU memory per process, by container (from NVML), and GPU totals."""
-
-    by_container: Mapping[Key, Mapping[int, int]]
-    used_by_gpu: Mapping[int, int] = field(default_factory=dict)
-
-
 class Plane(Protocol):
-    def attach(self, containers: Mapping[int, Set[str]]) -> None:
-        """(Re)discover the regions of these containers (by GPU); forget the others."""
+    """The data plane as the daemon's services drive it.
 
-    def sample(self) -> PlaneSample:
-        """Usage and activity now (blocking)."""
+    `schedule`, `set_limit`, `figures` and `ticking` return at once (the
+    scheduling itself runs in the plane's own threads, one per GPU); the
+    others block (region files, NVML, /proc, an OOM script) and the daemon
+    runs them in worker threads, each service with its own."""
 
-    def set_gates(self, gpu: int, open_: Set[str]) -> None:
-        """Open the gates of `open_` on `gpu` and close the others' (blocking)."""
+    def attach(self, containers: Mapping[int, Set[str]]) -> bool:
+        """Follow the tree's containers (by GPU); True when regions came or went."""
 
-    def heartbeat(self) -> None:
-        """Tell every region the daemon is alive (gates fail open without it)."""
+    def missing(self) -> set[str]:
+        """Containers the tree lists whose region is not there yet."""
 
-    def open_all(self) -> None:
-        """Open every gate (on exit: fail open)."""
+    def schedule(self, gpu: int, config: GpuConfig, state: Mapping[str, Any] | None) -> None:
+        """Schedule GPU `gpu` with `config` (a dispatcher starts on first use,
+        from `state` when given)."""
 
-    def memory(self) -> ProcessMemory:
-        """Per-process GPU memory by container (blocking, NVML)."""
+    def forget_gpu(self, gpu: int) -> None:
+        """Stop scheduling a GPU the tree no longer has."""
 
-    def stop(self, gpu: int, name: str, pids: list[int]) -> None:
-        """Stop processes over their container's limit (OOM script first in eGPU mode)."""
+    def set_limit(self, key: Key, limit: int) -> None:
+        """A container's new memory limit (0: the whole device), into its region."""
+
+    def egpu(self, key: Key) -> bool:
+        """Whether the container runs in eGPU mode (over its limit: OOM script, stop)."""
+
+    def figures(self) -> Mapping[int, Figures]:
+        """Each scheduled GPU's dispatcher figures."""
+
+    def scheduler_state(self, gpu: int) -> dict[str, Any]:
+        """What `schedule` takes back as `state` after a restart."""
+
+    def ticking(self, within: float) -> bool:
+        """Every dispatcher stepped within the last `within` seconds."""
+
+    def memory(self) -> MemoryView:
+        """Per-container GPU memory from NVML, attributed by the kernel (blocking)."""
+
+    def reclaim(self) -> int:
+        """Free the process slots whose process the kernel says is gone (blocking)."""
+
+    def stop(self, key: Key, pid: int) -> None:
+        """Stop a process over its container's limit (blocking: eGPU's OOM script first)."""
+
+    def close(self) -> None:
+        """Stop every dispatcher; every gate opens (fail open)."""
 
 
 def read_number(path: str, attempts: int = 3) -> int:
@@ -309,55 +317,3 @@ class InotifyWatcher:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-class OpenPlane:
-    """`Plane` that gates nothing and measures nothing (no regions, no NVML)."""
-
-    def __init__(self) -> None:
-        self.names: dict[int, set[str]] = {}
-
-    def attach(self, containers: Mapping[int, Set[str]]) -> None:
-        self.names = {gpu: set(names) for gpu, names in containers.items()}
-
-    def sample(self) -> PlaneSample:
-        return PlaneSample(usage={}, active=set())
-
-    def set_gates(self, gpu: int, open_: Set[str]) -> None:
-        return None
-
-    def heartbeat(self) -> None:
-        return None
-
-    def open_all(self) -> None:
-        return None
-
-    def memory(self) -> ProcessMemory:
-        return ProcessMemory(by_container={})
-
-    def stop(self, gpu: int, name: str, pids: list[int]) -> None:
-        stop_processes(pids, oom_script="")
-
-
-def stop_processes(pids: list[int], oom_script: str, timeout: float = 5.0) -> None:
-    """Run the OOM script (if any) for each process, then SIGKILL it.
-
-    The script gets the process id as its argument and `CGPU_OOM_PID` in its
-    environment; it may take up to `timeout` seconds.
-    """
-    for pid in pids:
-        if oom_script:
-            try:
-                subprocess.run(
-                    [oom_script, str(pid)], timeout=timeout, check=False,
-                    env={**os.environ, "CGPU_OOM_PID": str(pid)},
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                )
-            except (OSError, subprocess.TimeoutExpired) as error:
-                log.warning("OOM script %s for pid %d failed: %s", oom_script, pid, error)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-        except PermissionError as error:
-            log.warning("cannot stop pid %d: %s", pid, error)

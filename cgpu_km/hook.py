@@ -36,7 +36,7 @@ from cgpu_km.envplan import (
     switch_mode,
 )
 from cgpu_km.gpus import GpuError, discover_gpus
-from cgpu_km.inject import prepare_data_plane, remove_data_plane
+from cgpu_km.inject import create_region, inject_data_plane, remove_data_plane
 
 PROG = "cgpu-hook"
 ID_LENGTH = 12
@@ -133,8 +133,9 @@ def unregister_from_gpus(ctx: HookContext) -> None:
                             f"{describe_oserror(error)}") from None
 
 
-# The data plane adds its steps here (shared-memory region, library injection).
-PRESTART_STEPS: list[PrestartStep] = [register_on_gpus, prepare_data_plane]
+# The region comes before the registration, so that the daemon finds it as
+# soon as the tree lists the container.
+PRESTART_STEPS: list[PrestartStep] = [create_region, register_on_gpus, inject_data_plane]
 POSTSTOP_STEPS: list[PoststopStep] = [unregister_from_gpus, remove_data_plane]
 
 

@@ -1,15 +1,22 @@
 """The OCI hook's data-plane steps: a region for the container and libcgpu inside it.
 
-prestart (`prepare_data_plane`), for an enabled container:
-  1. create its region on the host (`region_path(id12)`), limits from the plan;
-  2. in the container's mount namespace (its init process is still before
-     pivot_root, so host paths are visible), bind-mount libcgpu.so at
-     CONTAINER_LIBRARY_PATH, the region at CONTAINER_REGION_PATH (libcgpu's
-     default when $CGPU_REGION is unset), and an /etc/ld.so.preload that adds
-     the library to the rootfs's own, so every dynamically linked process
-     of the container loads it.
-poststop (`remove_data_plane`): delete the region and the preload file (the
-mounts go away with the container's mount namespace).
+prestart, for an enabled container:
+  1. `create_region`: its region on the host (`region_path(id12)`, a folder
+     only root can enter), limits from the plan, gates closed until the
+     daemon grants the first slice, and the container's identity (its init's
+     pid namespace and cgroups, `kernelview.Owner`) recorded beside it;
+  2. (the hook registers the container in the control tree)
+  3. `inject_data_plane`: in the container's mount namespace (its init
+     process is still before pivot_root, so host paths are visible),
+     bind-mount libcgpu.so at CONTAINER_LIBRARY_PATH, the region's control
+     part at /run/cgpu/control and its account part at /run/cgpu/account
+     (where libcgpu looks, whatever the environment says), and an
+     /etc/ld.so.preload that adds the library to the rootfs's own, so every
+     dynamically linked process of the container loads it. Everything is
+     remounted read-only except the account part: root in the container has
+     no CAP_SYS_ADMIN (runc's default) and cannot remount it.
+poststop (`remove_data_plane`): delete the region (the mounts go away with
+the container's mount namespace).
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cgpu_km import kernelview
 from cgpu_km import region as region_mod
 
 if TYPE_CHECKING:
     from cgpu_km.hook import HookContext, Undo
 
 LIBCGPU_ENV = "CGPU_LIBCGPU"
+PRELOAD_NAME = "ld.so.preload"
 
 
 class InjectError(Exception):
@@ -39,10 +48,6 @@ def libcgpu_path() -> Path:
     if override:
         return Path(override)
     return Path(__file__).resolve().parents[1] / "libcgpu" / "libcgpu.so"
-
-
-def preload_path(id12: str) -> Path:
-    return region_mod.region_dir() / f"{id12}.preload"
 
 
 def rootfs_of(bundle: Path) -> Path:
@@ -64,24 +69,30 @@ def preload_text(rootfs: Path) -> str:
 
 MOUNT_SCRIPT = r"""
 set -e
-bind() {  # bind SOURCE TARGET: make TARGET (a file) exist, then mount SOURCE on it
+bind() {  # bind SOURCE TARGET MODE: make TARGET (a file) exist, mount SOURCE on it
     mkdir -p "$(dirname "$2")"
     [ -e "$2" ] || : > "$2"
     mount --bind "$1" "$2"
+    [ "$3" = rw ] || mount -o remount,bind,ro "$2"
 }
-bind "$LIB" "$ROOTFS$LIB_AT"
-bind "$REGION" "$ROOTFS$REGION_AT"
-bind "$PRELOAD" "$ROOTFS/etc/ld.so.preload"
+bind "$LIB" "$ROOTFS$LIB_AT" ro
+bind "$CONTROL" "$ROOTFS$REGION_AT/control" ro
+bind "$ACCOUNT" "$ROOTFS$REGION_AT/account" rw
+bind "$PRELOAD" "$ROOTFS/etc/ld.so.preload" ro
 """
 
 
-def mount_into(pid: int, rootfs: Path, library: Path, region: Path, preload: Path) -> None:
-    """Bind-mount the three files into the mount namespace of `pid`."""
+def mount_into(pid: int, rootfs: Path, library: Path, region: Path) -> None:
+    """Bind-mount the library, the region's two parts and the preload file into
+    the mount namespace of `pid`; read-only but for the account part."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
-        "ROOTFS": str(rootfs), "LIB": str(library), "REGION": str(region),
-        "PRELOAD": str(preload), "LIB_AT": region_mod.CONTAINER_LIBRARY_PATH,
-        "REGION_AT": region_mod.CONTAINER_REGION_PATH,
+        "ROOTFS": str(rootfs), "LIB": str(library),
+        "CONTROL": str(region / region_mod.CONTROL_NAME),
+        "ACCOUNT": str(region / region_mod.ACCOUNT_NAME),
+        "PRELOAD": str(region / PRELOAD_NAME),
+        "LIB_AT": region_mod.CONTAINER_LIBRARY_PATH,
+        "REGION_AT": region_mod.CONTAINER_REGION_DIR,
     }
     result = subprocess.run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--", "sh", "-c",
                              MOUNT_SCRIPT], env=env, capture_output=True, text=True, timeout=30)
@@ -110,14 +121,35 @@ def injection_blocker(pid: int | None, rootfs: Path) -> str | None:
 
 
 def gpu_specs(ctx: HookContext) -> list[region_mod.GpuSpec]:
-    simulated = not Path("/dev/nvidiactl").exists() or os.environ.get("CGPU_SIMULATE") == "1"
-    ctx_bytes = region_mod.default_ctx_bytes(simulated)
+    ctx_bytes = region_mod.default_ctx_bytes()
     return [region_mod.GpuSpec(limit=gpu.memsize, uuid=gpu.uuid, host_index=gpu.index,
                                ctx_bytes=ctx_bytes) for gpu in ctx.plan.gpus]
 
 
-def prepare_data_plane(ctx: HookContext, undo: Undo) -> None:
-    """prestart step: region on the host, library and region inside the container."""
+def create_region(ctx: HookContext, undo: Undo) -> None:
+    """prestart step: the region and the container's identity, on the host."""
+    from cgpu_km.hook import HookError
+
+    path = region_mod.region_path(ctx.id12)
+    try:
+        region_mod.Region.create(path, ctx.id12, gpu_specs(ctx), mode=ctx.plan.mode or "cgpu",
+                                 oom_script=ctx.plan.oom_script or "").close()
+    except (region_mod.RegionError, OSError) as error:
+        raise HookError(f"creating the region {path} failed: {error}") from None
+    undo.push("region", lambda: region_mod.Region.remove(path))
+    owner = kernelview.owner_of(ctx.pid) if ctx.pid is not None else None
+    if owner is None:
+        print(f"cgpu-hook: warning: no identity for {ctx.id12} (its init process is not "
+              f"known): its GPU processes cannot be told from the host's", file=sys.stderr)
+        return
+    try:
+        kernelview.write_owner(path, owner)
+    except OSError as error:
+        raise HookError(f"recording the identity of {ctx.id12} failed: {error}") from None
+
+
+def inject_data_plane(ctx: HookContext, undo: Undo) -> None:
+    """prestart step: library, region and preload file inside the container."""
     from cgpu_km.hook import HookError
 
     library = libcgpu_path()
@@ -126,23 +158,17 @@ def prepare_data_plane(ctx: HookContext, undo: Undo) -> None:
                         f"or set {LIBCGPU_ENV}")
     path = region_mod.region_path(ctx.id12)
     try:
-        region_mod.Region.create(path, ctx.id12, gpu_specs(ctx), mode=ctx.plan.mode or "cgpu",
-                                 oom_script=ctx.plan.oom_script or "").close()
-    except (region_mod.RegionError, OSError) as error:
-        raise HookError(f"creating the region {path} failed: {error}") from None
-    undo.push("region", lambda: region_mod.Region.remove(path))
-    try:
         rootfs = rootfs_of(ctx.bundle)
         blocker = injection_blocker(ctx.pid, rootfs)
         if blocker is not None:
             print(f"cgpu-hook: warning: libcgpu not injected into {ctx.id12}: {blocker}",
                   file=sys.stderr)
             return
-        preload = preload_path(ctx.id12)
+        preload = path / PRELOAD_NAME
         preload.write_text(preload_text(rootfs))
-        undo.push("ld.so.preload", lambda: preload.unlink(missing_ok=True))
+        os.chmod(preload, 0o644)
         assert ctx.pid is not None
-        mount_into(ctx.pid, rootfs, library, path, preload)
+        mount_into(ctx.pid, rootfs, library, path)
     except (InjectError, OSError, ValueError) as error:
         raise HookError(str(error)) from None
 
@@ -150,4 +176,3 @@ def prepare_data_plane(ctx: HookContext, undo: Undo) -> None:
 def remove_data_plane(ctx: HookContext) -> None:
     """poststop step: idempotent."""
     region_mod.Region.remove(region_mod.region_path(ctx.id12))
-    preload_path(ctx.id12).unlink(missing_ok=True)

@@ -18,6 +18,7 @@ counter exists. The library's rules are described at the top of region.h.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -400,9 +401,12 @@ class Region:
         return cls(target, control, account)
 
     def close(self) -> None:
+        """Unmap now, unless views into the mapping are still held: then the
+        mapping goes when the last of them does."""
         del self._control, self._account
-        self._control_map.close()
-        self._account_map.close()
+        for mapping in (self._control_map, self._account_map):
+            with contextlib.suppress(BufferError):
+                mapping.close()
 
     def __enter__(self) -> Region:
         return self

@@ -4,9 +4,13 @@
              [--util-limit P] [--egpu [--oom-script PATH]] -- CMD ...
 
 It registers the container on each GPU in the control tree, creates its
-shared-memory region, runs CMD with libcgpu preloaded (LD_PRELOAD, CGPU_REGION,
-CUDA_VISIBLE_DEVICES), forwards signals to it, and on any exit removes the
-region and the container. The exit status is CMD's (128+N for signal N).
+region (gates closed until the daemon's first grant), runs CMD with libcgpu
+preloaded (LD_PRELOAD, CGPU_REGION, CUDA_VISIBLE_DEVICES) in a pid namespace
+of its own when it runs as root (`unshare`; the namespace is the job's
+identity, which its processes cannot leave: the daemon uses it to tell the
+job's GPU processes from others), records that identity next to the region,
+forwards signals to the job, and on any exit removes the region and the
+container. The exit status is CMD's (128+N for signal N).
 """
 
 from __future__ import annotations
@@ -15,17 +19,19 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from cgpu_km import gpus as gpus_mod
+from cgpu_km import kernelview, treefs
 from cgpu_km import region as region_mod
-from cgpu_km import treefs
 
 LIBCGPU_ENV = "CGPU_LIBCGPU"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -97,6 +103,7 @@ class Setup:
     root: Path | None
     region_path: Path
     env: dict[str, str]
+    scheduled: bool  # a daemon schedules it (else its gates start open)
 
 
 def _add_command(gpu: int, name: str, args: argparse.Namespace) -> str:
@@ -159,9 +166,11 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
         raise RunError(f"--gpu: no GPU {unknown[0]} on this host ({len(host_gpus)} GPUs)")
     if args.oom_script and not args.egpu:
         raise RunError("--oom-script needs --egpu")
-    simulated = gpus_mod.simulate_requested() or not Path("/dev/nvidiactl").exists()
-    ctx_bytes = (args.ctx_bytes if args.ctx_bytes is not None
-                 else region_mod.default_ctx_bytes(simulated))
+    try:
+        ctx_bytes = (args.ctx_bytes if args.ctx_bytes is not None
+                     else region_mod.default_ctx_bytes())
+    except region_mod.RegionError as error:
+        raise RunError(str(error)) from None
 
     root = None if args.no_tree else treefs.resolve_root(args.root)
     if root is not None and not (root / "inst_ctl").exists():
@@ -173,8 +182,12 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
         specs = [region_mod.GpuSpec(limit=_limit(root, by_index[i], name, args.memsize),
                                     uuid=by_index[i].uuid, host_index=i, ctx_bytes=ctx_bytes)
                  for i in args.gpu]
-        region_mod.Region.create(path, name, specs, mode="egpu" if args.egpu else "cgpu",
-                                 oom_script=args.oom_script).close()
+        try:
+            region_mod.Region.create(path, name, specs, mode="egpu" if args.egpu else "cgpu",
+                                     oom_script=args.oom_script,
+                                     gates_open=root is None).close()
+        except (region_mod.RegionError, OSError) as error:
+            raise RunError(f"cannot create the region {path}: {error}") from None
         env = dict(os.environ)
         preload = env.get("LD_PRELOAD", "")
         env["LD_PRELOAD"] = f"{library}:{preload}" if preload else str(library)
@@ -182,7 +195,7 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(by_index[i].uuid for i in args.gpu)
         if args.egpu and args.oom_script:
             env["ALIYUN_COM_GPU_OOM_SCRIPT"] = args.oom_script
-        yield Setup(name=name, root=root, region_path=path, env=env)
+        yield Setup(name=name, root=root, region_path=path, env=env, scheduled=root is not None)
     finally:
         region_mod.Region.remove(path)
         if root is not None:
@@ -191,16 +204,49 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
                     treefs.inst_ctl(root, f"del {gpu} {name}")
 
 
-def run_child(command: list[str], env: dict[str, str]) -> int:
-    """Run the command, forwarding signals; its exit status (128+N when killed by N)."""
+def own_namespace_prefix() -> list[str]:
+    """`unshare` into a pid namespace (and a /proc) of the job's own, when this
+    process may (root), with `cgpu_km.jobinit` as the namespace's first process."""
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None:
+        return []
+    return [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--",
+            sys.executable, "-m", "cgpu_km.jobinit", "--"]
+
+
+def job_pid(child: subprocess.Popen[bytes], namespaced: bool, timeout: float = 5.0) -> int:
+    """The host pid of the job: `unshare`'s child when it made a namespace."""
+    if not namespaced:
+        return child.pid
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and child.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            found = Path(f"/proc/{child.pid}/task/{child.pid}/children").read_text().split()
+            if found:
+                return int(found[0])
+        time.sleep(0.001)
+    return child.pid
+
+
+def run_child(command: list[str], env: dict[str, str], region: Path | None = None) -> int:
+    """Run the command (in a pid namespace of its own when root), record its
+    identity in `region`, forward signals to it; its exit status (128+N when
+    killed by N)."""
+    prefix = own_namespace_prefix()
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen([*prefix, *command], env=env)
     except OSError as error:
         raise RunError(f"cannot run {command[0]}: {error.strerror or error}") from None
+    job = job_pid(child, bool(prefix))
+    if region is not None:
+        owner = kernelview.owner_of(job)
+        if owner is not None:
+            with contextlib.suppress(OSError):
+                kernelview.write_owner(region, owner)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+            os.kill(job, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
@@ -220,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with managed(args) as setup:
-            return run_child(args.command, setup.env)
+            return run_child(args.command, setup.env, setup.region_path)
     except RunError as error:
         print(f"cgpu-run: {error}", file=sys.stderr)
         return 2

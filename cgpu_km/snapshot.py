@@ -49,6 +49,7 @@ class ProcessFigures:
 
     pid: int
     memory_bytes: int
+    managed: bool = True  # False: it bypassed libcgpu (no process slot); counted all the same
 
 
 @dataclass(frozen=True)

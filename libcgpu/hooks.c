@@ -776,7 +776,8 @@ static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned ctx_refs[CGPU_MAX_GPUS];      /* created + retained primary */
 static unsigned primary_refs[CGPU_MAX_GPUS];  /* retained primary only */
 static uint64_t ctx_charged[CGPU_MAX_GPUS];
-static uint64_t measure_base[CGPU_MAX_GPUS]; /* NVML used before the first context; 0: none */
+static uint64_t measure_base[CGPU_MAX_GPUS]; /* NVML used before the first context */
+static int measuring[CGPU_MAX_GPUS];          /* measure_base holds a reading */
 static CUcontext primary_ctx[DEV_CACHE];      /* by device ordinal, as last retained */
 
 void cgpu_hooks_after_fork(void)
@@ -786,6 +787,7 @@ void cgpu_hooks_after_fork(void)
     memset(primary_refs, 0, sizeof primary_refs);
     memset(ctx_charged, 0, sizeof ctx_charged);
     memset(measure_base, 0, sizeof measure_base);
+    memset(measuring, 0, sizeof measuring);
     memset(primary_ctx, 0, sizeof primary_ctx);
     cgpu_flight_after_fork();
 }
@@ -798,8 +800,8 @@ static void publish_contexts(int g)
 }
 
 /* The device's used memory from the real NVML, by the container GPU's UUID
- * (else its host index); 0 when NVML cannot tell. */
-static uint64_t nvml_used(const struct cgpu_control *r, int g)
+ * (else its host index): 1 with *used set, 0 when NVML cannot tell. */
+static int nvml_used(const struct cgpu_control *r, int g, uint64_t *used)
 {
     static int inited;
     resolve(LIB_NVML);
@@ -819,7 +821,8 @@ static uint64_t nvml_used(const struct cgpu_control *r, int g)
     nvmlMemory_t mem;
     if (rc != NVML_SUCCESS || real_nvmlDeviceGetMemoryInfo(dev, &mem) != NVML_SUCCESS)
         return 0;
-    return mem.used;
+    *used = mem.used;
+    return 1;
 }
 
 /* A context's memory is measured as the device's used memory before and
@@ -837,9 +840,9 @@ static CUresult ctx_acquire(const struct cgpu_control *r, int g, int primary)
     pthread_mutex_lock(&ctx_lock);
     if (ctx_refs[g] == 0) {
         uint64_t bytes = __atomic_load_n(&r->gpu[g].ctx_bytes, __ATOMIC_RELAXED);
-        measure_base[g] = 0;
+        measuring[g] = 0;
         if (bytes == CGPU_CTX_MEASURE) {
-            measure_base[g] = nvml_used(r, g);
+            measuring[g] = nvml_used(r, g, &measure_base[g]);
             bytes = 0;
         }
         if (bytes != 0 && cgpu_reserve(g, bytes) != 0) {
@@ -861,14 +864,10 @@ static CUresult ctx_acquire(const struct cgpu_control *r, int g, int primary)
 static int ctx_settle(const struct cgpu_control *r, int g)
 {
     pthread_mutex_lock(&ctx_lock);
-    uint64_t base = measure_base[g];
-    measure_base[g] = 0;
-    uint64_t bytes = 0;
-    if (base != 0) {
-        uint64_t used = nvml_used(r, g);
-        if (used > base && used - base <= CTX_MEASURE_MAX)
-            bytes = used - base;
-    }
+    uint64_t base = measure_base[g], used, bytes = 0;
+    if (measuring[g] && nvml_used(r, g, &used) && used > base && used - base <= CTX_MEASURE_MAX)
+        bytes = used - base;
+    measuring[g] = 0;
     int rc = 0;
     if (bytes != 0) {
         if (cgpu_reserve(g, bytes) == 0)

@@ -64,11 +64,15 @@ static uint64_t pidns_inode(void)
     return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-/* State letter and start time (field 22) of a process from /proc; 0 on success. */
+/* State letter and start time (field 22) of a process from /proc (pid 0:
+ * this one); 0 on success. */
 static int proc_stat(pid_t pid, char *state, uint64_t *start_time)
 {
     char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    if (pid == 0)
+        snprintf(path, sizeof path, "/proc/self/stat");
+    else
+        snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -errno;
@@ -93,12 +97,29 @@ static int proc_stat(pid_t pid, char *state, uint64_t *start_time)
     return 0;
 }
 
-/* Is the owner of this slot still running? Unknown counts as alive. */
+/* Whether this /proc shows our own pid namespace (a job given a pid namespace
+ * without a /proc of its own sees the host's): only then do its pids mean
+ * what ours do. Looked at once. */
+static int proc_is_ours(void)
+{
+    static int known = -1;
+    if (known < 0) {
+        char link[32];
+        ssize_t n = readlink("/proc/self", link, sizeof link - 1);
+        if (n > 0)
+            link[n] = '\0';
+        known = n > 0 && strtol(link, NULL, 10) == (long)getpid();
+    }
+    return known;
+}
+
+/* Is the owner of this slot still running? Unknown counts as alive (the
+ * daemon, which asks the kernel, reclaims what is left). */
 static int slot_owner_alive(const struct cgpu_proc *s)
 {
     pid_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
     uint64_t ns = __atomic_load_n(&s->pidns, __ATOMIC_RELAXED);
-    if (pid <= 0)
+    if (pid <= 0 || !proc_is_ours())
         return 1;
     if (ns != 0 && my_pidns != 0 && ns != my_pidns)
         return 1; /* another pid namespace: its pids mean nothing here */
@@ -193,7 +214,8 @@ static void *map_file(const char *dir, const char *name, size_t size, int writab
     snprintf(path, sizeof path, "%s/%s", dir, name);
     int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
     if (fd < 0) {
-        cgpu_log("cannot open %s: %s", path, strerror(errno));
+        if (errno != ENOENT || writable) /* no region there at all: pass-through, silently */
+            cgpu_log("cannot open %s: %s", path, strerror(errno));
         return NULL;
     }
     struct stat st;
@@ -226,7 +248,8 @@ static void region_attach(void)
         return;
     const struct cgpu_control *c = map_file(dir, CGPU_CONTROL_NAME, sizeof *c, 0);
     if (c == NULL) {
-        cgpu_log("region %s unusable; running without limits", dir);
+        if (errno != ENOENT)
+            cgpu_log("region %s unusable; running without limits", dir);
         return;
     }
     if (c->magic != CGPU_CONTROL_MAGIC || c->version != CGPU_REGION_VERSION ||
@@ -289,7 +312,7 @@ struct cgpu_proc *cgpu_slot_claim(void)
     pid_t pid = getpid();
     char state;
     uint64_t start = 0;
-    if (proc_stat(pid, &state, &start) != 0)
+    if (proc_stat(0, &state, &start) != 0) /* /proc/self: right whatever /proc shows */
         start = 0;
     for (uint32_t i = 0; i < CGPU_MAX_PROCS; i++) {
         struct cgpu_proc *s = &r->proc[i];

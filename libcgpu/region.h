@@ -152,6 +152,9 @@ struct cgpu_proc {
     struct cgpu_proc_gpu gpu[CGPU_MAX_GPUS];
 };
 
+/* doorbell[k] is a futex word the daemon waits on: a process bumps it (and
+ * wakes the daemon) when it starts waiting at the closed gate of GPU k, and
+ * when its watcher answers a close of GPU k. */
 struct cgpu_account {
     uint64_t magic;          /* CGPU_ACCOUNT_MAGIC */
     uint32_t version;        /* CGPU_REGION_VERSION */
@@ -159,8 +162,6 @@ struct cgpu_account {
     uint32_t slots_used;     /* high-water mark: proc[0..slots_used) may be in use */
     uint32_t reserved32;
     uint64_t reserved[5];
-    /* futex words the daemon waits on: bumped (and woken) when a process
-     * starts waiting at the closed gate of GPU k, or answers a close of it */
     uint32_t doorbell[CGPU_MAX_GPUS];
     struct cgpu_proc proc[CGPU_MAX_PROCS];
 };

@@ -21,6 +21,20 @@ UUID = "GPU-6a3f2c10-84b1-4f0e-9d2a-51c7e0b4a9d3"
 DEVICE_TOTAL = 15109 << 20
 
 
+def start_time(pid: int) -> int | None:
+    """A running process's start time (field 22 of stat); None when gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def local_alive(view: region_mod.ProcView) -> bool:
+    """Whether a slot's process runs, in this (the tests') pid namespace."""
+    return start_time(view.pid) == view.start_time
+
+
 @dataclass(frozen=True)
 class Built:
     libcgpu: Path
@@ -34,7 +48,7 @@ class Sandbox:
     def __init__(self, built: Built, tmp: Path) -> None:
         self.built = built
         self.tmp = tmp
-        self.region_path = tmp / "ctr.region"
+        self.region_path = tmp / "ctr"
         self.region: region_mod.Region | None = None
         self.base_env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -49,11 +63,13 @@ class Sandbox:
 
     def make_region(self, limit: int, *, mode: str = "cgpu", uuid: str = UUID,
                     ctx_bytes: int = 0, oom_script: str = "",
-                    gate_timeout_ns: int = region_mod.DEFAULT_GATE_TIMEOUT_NS
-                    ) -> region_mod.Region:
+                    gate_timeout_ns: int = region_mod.DEFAULT_GATE_TIMEOUT_NS,
+                    gates_open: bool = True) -> region_mod.Region:
+        """The container's region; its gates open (no daemon here) unless asked."""
         self.region = region_mod.Region.create(
             self.region_path, "ctr-test", [region_mod.GpuSpec(limit, uuid, 0, ctx_bytes)],
-            mode=mode, oom_script=oom_script, gate_timeout_ns=gate_timeout_ns)
+            mode=mode, oom_script=oom_script, gate_timeout_ns=gate_timeout_ns,
+            gates_open=gates_open)
         return self.region
 
     def env(self, *, preload: bool = True, region: bool = True, **extra: str) -> dict[str, str]:

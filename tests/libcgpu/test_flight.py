@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cgpu_km import region as region_mod
-from tests.libcgpu.sandbox import Sandbox
+from tests.libcgpu.sandbox import UUID, Sandbox
 
 KERNEL_MS = 5
 BOUND = region_mod.DEFAULT_MAX_INFLIGHT
@@ -49,11 +49,14 @@ def test_zero_means_unbounded_and_env_overrides(sandbox: Sandbox) -> None:
     assert unbounded["sync_ms"] > 150, unbounded
     tight = queue(sandbox, 40, CGPU_MAX_INFLIGHT="4")
     assert tight["sync_ms"] < 6 * KERNEL_MS, tight
-    region.set_max_inflight(0, 0)
+    region_mod.Region.create(sandbox.region_path, "ctr-test",
+                             [region_mod.GpuSpec(0, UUID, 0, 0, max_inflight=0)],
+                             gates_open=True).close()
     live = queue(sandbox, 40)
     assert live["sync_ms"] > 150, live
     with pytest.raises(region_mod.RegionError, match="max_inflight must be"):
-        region.set_max_inflight(0, -1)
+        region_mod.Region.create(sandbox.region_path, "ctr-test",
+                                 [region_mod.GpuSpec(0, UUID, 0, 0, max_inflight=-1)])
 
 
 def test_streams_and_contexts_come_and_go(sandbox: Sandbox) -> None:
@@ -80,24 +83,34 @@ def test_waiting_for_the_gpu_counts_as_pending(sandbox: Sandbox) -> None:
 
 
 @pytest.mark.parametrize("bound", [BOUND, 0], ids=["bounded", "unbounded"])
-def test_closed_gate_frees_the_gpu_within_a_few_kernels(sandbox: Sandbox, bound: int) -> None:
-    """A managed process floods 5 ms kernels; its gate closes; an unmanaged
-    process's kernel then waits only for what the first one had queued."""
-    region = sandbox.make_region(0)
-    region.set_max_inflight(0, bound)
+def test_closed_gate_drains_within_a_few_kernels(sandbox: Sandbox, bound: int) -> None:
+    """A managed process floods 5 ms kernels; its gate closes; its watcher
+    answers once what it had queued has run: a few kernels with the bound."""
+    region = region_mod.Region.create(sandbox.region_path, "ctr-test",
+                                      [region_mod.GpuSpec(0, UUID, 0, 0, max_inflight=bound)],
+                                      gates_open=True)
+    sandbox.region = region
     sandbox.start_heartbeat()
     proc = sandbox.popen([str(sandbox.built.workload), "queue", "150",
                           f"sleep_{KERNEL_MS * 1000}", "null"])
     try:
         time.sleep(0.3)
+        closed = time.monotonic_ns()
         region.set_gate(0, False)
-        time.sleep(0.02)
-        assert proc.poll() is None
-        other = queue(sandbox, 1, managed=False)
+        seq = region.close_seq(0)
+        deadline = time.monotonic() + 10
+        while True:
+            lines = [region.slot_gpu(slot, 0) for slot in region.live_slots()]
+            if lines and all(line.drained_seq == seq for line in lines if line.watching):
+                break
+            assert time.monotonic() < deadline, "the watcher never answered the close"
+            time.sleep(0.002)
+        drained_ms = (max(line.drained_ns for line in lines) - closed) / 1e6
+        assert bound == 0 or proc.poll() is None, "the bound held its launches back"
     finally:
         region.set_gate(0, True)
         proc.communicate(timeout=30)
     if bound:
-        assert other["sync_ms"] < (bound + 4) * KERNEL_MS, other
+        assert drained_ms < (bound + 4) * KERNEL_MS, drained_ms
     else:
-        assert other["sync_ms"] > 300, other  # about 90 kernels were still queued
+        assert drained_ms > 300, drained_ms  # about 90 kernels were still queued

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cgpu_km import region as region_mod
-from tests.libcgpu.sandbox import DEVICE_TOTAL, UUID, Sandbox
+from tests.libcgpu.sandbox import DEVICE_TOTAL, UUID, Sandbox, local_alive, start_time
 
 OOM = 2
 NOT_SUPPORTED = 801
@@ -81,7 +81,7 @@ def test_every_allocation_path_counts(sandbox: Sandbox, ops: list[str],
     finally:
         proc.communicate(timeout=10)
     assert region.usage(0) == size, "counted until someone sees the process gone"
-    assert region.reclaim() == [proc.pid]
+    assert region.reclaim(local_alive) == [proc.pid]
     assert region.usage(0) == 0
 
 
@@ -158,7 +158,7 @@ def test_racing_processes_never_exceed_the_limit(sandbox: Sandbox) -> None:
     region = sandbox.make_region(limit)
     for _ in range(3):
         _race_round(sandbox, limit, 8)
-        region.reclaim()  # those the racers did not reclaim themselves
+        region.reclaim(local_alive)  # those the racers did not reclaim themselves
         assert region.processes() == []
         assert region.usage(0) == 0
 
@@ -174,7 +174,7 @@ def test_killed_process_frees_its_share(sandbox: Sandbox) -> None:
         proc.send_signal(signal.SIGKILL)
     # once dead (zombies, not waited for yet) they no longer count
     deadline = time.monotonic() + 10
-    while any(region_mod.proc_start_time(p.pid) is not None for p in racers):
+    while any(start_time(p.pid) is not None for p in racers):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     result = sandbox.workload("alloc", str(limit), "info", timeout=10)
@@ -182,7 +182,7 @@ def test_killed_process_frees_its_share(sandbox: Sandbox) -> None:
     for proc in racers:
         proc.communicate(timeout=10)
         assert proc.returncode == -signal.SIGKILL
-    region.reclaim()
+    region.reclaim(local_alive)
     assert region.processes() == []
     assert region.usage(0) == 0
 
@@ -194,11 +194,11 @@ def test_daemon_reclaims_dead_slots(sandbox: Sandbox) -> None:
     assert proc.stdout.readline() == f"alloc {MiB} rc=0\n"
     pid = proc.pid
     assert [p.pid for p in region.processes()] == [pid]
-    assert region.reclaim() == []
+    assert region.reclaim(local_alive) == []
     os.kill(pid, signal.SIGKILL)
     proc.wait()
     assert region.usage(0) == MiB  # nobody noticed yet
-    assert region.reclaim() == [pid]
+    assert region.reclaim(local_alive) == [pid]
     assert region.usage(0) == 0
     proc.communicate()
 
@@ -249,7 +249,8 @@ def test_region_by_ordinal_without_uuid(sandbox: Sandbox) -> None:
 
 
 def test_bad_region_is_reported(sandbox: Sandbox) -> None:
-    sandbox.region_path.write_bytes(b"\0" * region_mod.REGION_SIZE)
+    sandbox.region_path.mkdir()
+    (sandbox.region_path / region_mod.CONTROL_NAME).write_bytes(b"\0" * region_mod.CONTROL_SIZE)
     result = sandbox.workload("alloc", str(MiB))
     assert rcs(result) == [("alloc", 0)]
     assert "unknown layout" in result.stderr
@@ -260,8 +261,8 @@ def test_each_gpu_has_its_own_limit(sandbox: Sandbox) -> None:
     second = "GPU-6a3f2c10-84b1-4f0e-9d2a-51c7e0b4a9d4"
     sandbox.base_env["SIMGPU_DEVICES"] += f",Tesla T4:15109MiB:{second}"
     region = region_mod.Region.create(
-        sandbox.region_path, "two", [region_mod.GpuSpec(2 * MiB, second, 1),
-                                     region_mod.GpuSpec(MiB, UUID, 0)])
+        sandbox.region_path, "two", [region_mod.GpuSpec(2 * MiB, second, 1, 0),
+                                     region_mod.GpuSpec(MiB, UUID, 0, 0)], gates_open=True)
     sandbox.region = region
     on_first = sandbox.workload("--device", "0", "alloc", str(MiB), "alloc", "1", "total")
     assert rcs(on_first) == [("alloc", 0), ("alloc", OOM), ("total", 0)]

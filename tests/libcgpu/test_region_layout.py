@@ -16,12 +16,14 @@ HEADER = REPO / "libcgpu" / "region.h"
 
 STRUCTS = {
     "cgpu_gpu": region.GpuEntry,
+    "cgpu_control": region.ControlLayout,
     "cgpu_proc_gpu": region.ProcGpu,
     "cgpu_proc": region.ProcSlot,
-    "cgpu_region": region.RegionLayout,
+    "cgpu_account": region.AccountLayout,
 }
 CONSTANTS = {
-    "CGPU_REGION_MAGIC": region.MAGIC,
+    "CGPU_CONTROL_MAGIC": region.CONTROL_MAGIC,
+    "CGPU_ACCOUNT_MAGIC": region.ACCOUNT_MAGIC,
     "CGPU_REGION_VERSION": region.VERSION,
     "CGPU_MAX_GPUS": region.MAX_GPUS,
     "CGPU_MAX_PROCS": region.MAX_PROCS,
@@ -38,7 +40,10 @@ CONSTANTS = {
     "CGPU_SLOT_CLAIMING": region.SLOT_CLAIMING,
     "CGPU_SLOT_LIVE": region.SLOT_LIVE,
     "CGPU_SLOT_RECLAIMING": region.SLOT_RECLAIMING,
-    "CGPU_CONTAINER_REGION_PATH": region.CONTAINER_REGION_PATH,
+    "CGPU_CTX_MEASURE": region.CTX_MEASURE,
+    "CGPU_CONTAINER_REGION_DIR": region.CONTAINER_REGION_DIR,
+    "CGPU_CONTROL_NAME": region.CONTROL_NAME,
+    "CGPU_ACCOUNT_NAME": region.ACCOUNT_NAME,
 }
 
 
@@ -92,7 +97,8 @@ def test_python_layout_matches_header(tmp_path: Path) -> None:
               for key, value in (line.split() for line in output.splitlines())}
     mismatches = {k: (expected[k], from_c[k]) for k in expected if expected[k] != from_c[k]}
     assert mismatches == {}, f"python vs C (offset/size): {mismatches}"
-    assert from_c["cgpu_region"] == region.REGION_SIZE
+    assert from_c["cgpu_control"] == region.CONTROL_SIZE
+    assert from_c["cgpu_account"] == region.ACCOUNT_SIZE
 
 
 def test_every_header_field_is_mirrored() -> None:

@@ -1,9 +1,10 @@
-"""cgpu_km.region on its own: creation, validation, gates, heartbeat, views, reclaim."""
+"""cgpu_km.region on its own: creation, modes, validation, gates, closes, heartbeat, views."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -12,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km import futex
 from cgpu_km import region as region_mod
 from cgpu_km.region import GpuSpec, Region, RegionError
+from tests.libcgpu.sandbox import local_alive, start_time
 
 
 def make(tmp_path: Path, **kw: object) -> Region:
     gpus = kw.pop("gpus", [GpuSpec(1 << 30, "GPU-a", 2, 5), GpuSpec(2 << 30, "GPU-b", 3)])
-    return Region.create(tmp_path / "c.region", "ctr1", gpus, **kw)  # type: ignore[arg-type]
+    return Region.create(tmp_path / "regions" / "c1", "ctr1", gpus, **kw)  # type: ignore[arg-type]
 
 
 def test_create_and_reopen(tmp_path: Path) -> None:
@@ -26,19 +29,38 @@ def test_create_and_reopen(tmp_path: Path) -> None:
         assert (r.container_id, r.mode, r.oom_script, r.ngpus) == ("ctr1", "egpu", "/bin/oom", 2)
         assert r.gate_timeout_ns == 7
         r.set_limit(1, 123)
-    path = tmp_path / "c.region"
-    assert path.stat().st_size == region_mod.REGION_SIZE
-    assert path.stat().st_mode & 0o777 == 0o666
+    path = tmp_path / "regions" / "c1"
     with Region.open(path) as r:
         assert r.gpu_spec(0) == GpuSpec(1 << 30, "GPU-a", 2, 5)
-        assert r.gpu_spec(1) == GpuSpec(123, "GPU-b", 3, 0)
+        assert r.gpu_spec(1) == GpuSpec(123, "GPU-b", 3, region_mod.CTX_MEASURE)
         assert r.gpu_for_host(3) == 1
         assert r.gpu_for_host(0) is None
-        assert [r.gate_is_open(k) for k in range(2)] == [True, True]
-        assert r.heartbeat_ns == 0
         assert r.processes() == []
         assert r.usage(0) == 0
-    assert list(tmp_path.iterdir()) == [path], "no temporary file is left behind"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["c1"], "no staging left behind"
+
+
+def test_files_only_root_can_reach(tmp_path: Path) -> None:
+    """The folder is root's alone; the container gets the files through bind
+    mounts: the control part read-only to anyone but root, the account part
+    writable by the container's processes of any user."""
+    make(tmp_path).close()
+    path = tmp_path / "regions" / "c1"
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.iterdir()}
+    assert modes == {"control": 0o644, "account": 0o666}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert {p.stat().st_uid for p in [path, *path.iterdir()]} == {os.getuid()}
+
+
+def test_gates_start_closed_and_held_until_a_daemon_grants(tmp_path: Path) -> None:
+    before = time.monotonic_ns()
+    with make(tmp_path) as held:
+        assert [held.gate_is_open(k) for k in range(2)] == [False, False]
+        assert held.heartbeat_ns >= before, "held for the gate timeout, waiting for a daemon"
+    with make(tmp_path, gates_open=True) as free:
+        assert [free.gate_is_open(k) for k in range(2)] == [True, True]
+        assert free.heartbeat_ns == 0
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -54,18 +76,22 @@ def test_bad_input_is_refused_and_writes_nothing(tmp_path: Path, kw: dict[str, o
                                                  message: str) -> None:
     with pytest.raises(RegionError, match=message):
         make(tmp_path, **kw)
-    assert list(tmp_path.iterdir()) == []
+    assert not (tmp_path / "regions").exists() or list((tmp_path / "regions").iterdir()) == []
 
 
 def test_open_refuses_foreign_files(tmp_path: Path) -> None:
     with pytest.raises(RegionError, match="cannot open"):
         Region.open(tmp_path / "missing")
     small = tmp_path / "small"
-    small.write_bytes(b"x" * 100)
+    small.mkdir()
+    (small / "control").write_bytes(b"x" * 100)
+    (small / "account").write_bytes(b"x" * 100)
     with pytest.raises(RegionError, match="too small"):
         Region.open(small)
     zeros = tmp_path / "zeros"
-    zeros.write_bytes(bytes(region_mod.REGION_SIZE))
+    zeros.mkdir()
+    (zeros / "control").write_bytes(bytes(region_mod.CONTROL_SIZE))
+    (zeros / "account").write_bytes(bytes(region_mod.ACCOUNT_SIZE))
     with pytest.raises(RegionError, match="unknown layout"):
         Region.open(zeros)
 
@@ -76,15 +102,12 @@ def test_unknown_gpu_and_bad_values(tmp_path: Path) -> None:
             r.limit(2)
         with pytest.raises(RegionError):
             r.set_limit(0, -1)
-        with pytest.raises(RegionError):
-            r.gate_timeout_ns = 0
         assert r.limit(0) == 1 << 30
 
 
-def test_gate_wakes_a_futex_waiter(tmp_path: Path) -> None:
+def test_a_grant_wakes_a_futex_waiter(tmp_path: Path) -> None:
     """set_gate(open) wakes a thread blocked in FUTEX_WAIT on the gate word."""
     with make(tmp_path) as r:
-        r.set_gate(1, False)
         assert not r.gate_is_open(1)
         address = r._gate_address(1)
         libc = ctypes.CDLL(None, use_errno=True)
@@ -101,11 +124,33 @@ def test_gate_wakes_a_futex_waiter(tmp_path: Path) -> None:
         thread.start()
         time.sleep(0.2)
         opened = time.monotonic()
-        r.set_gate(1, True)
+        r.set_gate(1, True, 1234)
         thread.join(timeout=5)
         assert woke
         assert woke[0] - opened < 2
         assert r.gate_is_open(1)
+        assert r.grant_ns(1) == 1234
+
+
+def test_a_close_bumps_close_seq_and_wakes_watchers(tmp_path: Path) -> None:
+    with make(tmp_path, gates_open=True) as r:
+        wake = r._control.wake
+        r.set_gate(0, True)  # no change: no close
+        assert (r.close_seq(0), r._control.wake) == (0, wake)
+        address = ctypes.addressof(r._control) + region_mod.ControlLayout.wake.offset
+        woke: list[float] = []
+        thread = threading.Thread(target=lambda: (
+            futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10),
+            woke.append(time.monotonic())))
+        thread.start()
+        time.sleep(0.1)
+        closed = time.monotonic()
+        r.set_gate(0, False)
+        thread.join(timeout=5)
+        assert woke[0] - closed < 2
+        assert r.close_seq(0) == 1
+        assert r.close_seq(1) == 0
+        assert r.grant_ns(0) == 0
 
 
 def test_heartbeat(tmp_path: Path) -> None:
@@ -115,39 +160,37 @@ def test_heartbeat(tmp_path: Path) -> None:
         assert before <= r.heartbeat_ns <= time.monotonic_ns()
         r.heartbeat(42)
         assert r.heartbeat_ns == 42
-        r.clear_heartbeat()
-        assert r.heartbeat_ns == 0
 
 
-def fill_slot(r: Region, index: int, pid: int, start_time: int, mem: int) -> None:
+def fill_slot(r: Region, index: int, pid: int, started: int, mem: int) -> None:
     """Write a slot as libcgpu would (for tests of the daemon's view)."""
-    slot = r._layout.proc[index]
+    slot = r._account.proc[index]
     slot.pid = pid
-    slot.start_time = start_time
+    slot.start_time = started
     slot.pidns = 0
     slot.gpu[0].mem = mem
     slot.gpu[0].launches = 3
     slot.state = region_mod.SLOT_LIVE
-    r._layout.slots_used = max(r._layout.slots_used, index + 1)
+    r._account.slots_used = max(r._account.slots_used, index + 1)
 
 
 def test_views_and_reclaim(tmp_path: Path) -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        start = region_mod.proc_start_time(sleeper.pid)
+        start = start_time(sleeper.pid)
         assert start is not None
         with make(tmp_path) as r:
-            fill_slot(r, 0, os.getpid(), region_mod.proc_start_time(os.getpid()) or 0, 100)
+            fill_slot(r, 0, os.getpid(), start_time(os.getpid()) or 0, 100)
             fill_slot(r, 1, sleeper.pid, start, 20)
             fill_slot(r, 2, sleeper.pid, start + 1, 3)  # pid reused: not the same process
             assert r.usage(0) == 123
             assert r.activity(0).launches == 9
             assert sorted(p.pid for p in r.processes()) == sorted([os.getpid(), *[sleeper.pid] * 2])
-            assert r.reclaim() == [sleeper.pid]  # the slot with the wrong start time
+            assert r.reclaim(local_alive) == [sleeper.pid]  # the slot with the wrong start time
             assert r.usage(0) == 120
             sleeper.kill()
             sleeper.wait()
-            assert r.reclaim() == [sleeper.pid]
+            assert r.reclaim(local_alive) == [sleeper.pid]
             assert r.usage(0) == 100
             assert r.reclaim(lambda view: False) == [os.getpid()]
             assert r.usage(0) == 0
@@ -159,28 +202,14 @@ def test_views_and_reclaim(tmp_path: Path) -> None:
 
 def test_region_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(region_mod.REGION_DIR_ENV, str(tmp_path))
-    assert region_mod.region_path("abc") == tmp_path / "abc.region"
+    assert region_mod.region_path("abc") == tmp_path / "abc"
     monkeypatch.delenv(region_mod.REGION_DIR_ENV)
-    assert region_mod.region_path("abc") == Path("/run/cgpu_km-regions/abc.region")
+    assert region_mod.region_path("abc") == Path("/run/cgpu_km-regions/abc")
 
 
-def test_host_liveness_sees_processes_by_namespace(tmp_path: Path) -> None:
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        start = region_mod.proc_start_time(sleeper.pid)
-        assert start is not None
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-        with make(tmp_path) as r:
-            fill_slot(r, 0, sleeper.pid, start, 10)
-            fill_slot(r, 1, sleeper.pid, start + 1, 20)  # another process, long gone
-            r._layout.proc[0].pidns = pidns
-            r._layout.proc[1].pidns = pidns
-            assert r.reclaim(region_mod.host_liveness()) == [sleeper.pid]
-            assert r.usage(0) == 10
-            sleeper.kill()
-            sleeper.wait()
-            assert r.reclaim(region_mod.host_liveness()) == [sleeper.pid]
-            assert r.usage(0) == 0
-    finally:
-        sleeper.kill()
-        sleeper.wait()
+def test_context_charge_defaults_to_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(region_mod.CTX_BYTES_ENV, raising=False)
+    assert region_mod.default_ctx_bytes() == region_mod.CTX_MEASURE
+    assert region_mod.default_ctx_bytes({region_mod.CTX_BYTES_ENV: "1024"}) == 1024
+    with pytest.raises(RegionError, match="not a number of bytes"):
+        region_mod.default_ctx_bytes({region_mod.CTX_BYTES_ENV: "1GiB"})

@@ -38,7 +38,7 @@ def run_env(built: Built, tmp_path: Path, root: Path) -> dict[str, str]:
 def test_limits_inside_and_cleanup(built: Built, control_tree: Path, tmp_path: Path) -> None:
     script = (
         f'cat {control_tree}/1/job1/memsize {control_tree}/1/job1/weight; '
-        'test -f "$CGPU_REGION" && echo region; echo "$CUDA_VISIBLE_DEVICES"; '
+        'test -f "$CGPU_REGION/control" && echo region; echo "$CUDA_VISIBLE_DEVICES"; '
         f'{built.workload} alloc {100 * MiB} alloc 1 info'
     )
     result = subprocess.run(
@@ -70,14 +70,14 @@ def test_signals_are_forwarded_and_cleanup_runs(built: Built, control_tree: Path
     assert proc.stdout is not None
     assert proc.stdout.readline() == "up\n"
     assert (control_tree / "0" / "sig1").is_dir()
-    assert (tmp_path / "regions" / "sig1.region").is_file()
+    assert (tmp_path / "regions" / "sig1" / "control").is_file()
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM
     assert time.monotonic() - started < 10
     assert not (control_tree / "0" / "sig1").exists()
-    assert not (tmp_path / "regions" / "sig1.region").exists()
+    assert not (tmp_path / "regions" / "sig1").exists()
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -1,0 +1,243 @@
+"""GPU memory as the driver and the kernel see it: per container, and who is over.
+
+The daemon's memory service reads every GPU process from NVML (host pids),
+asks the kernel which container each belongs to (`kernelview.belongs`
+against the identity recorded at registration, never a pid a container
+wrote), and so knows each container's real GPU memory, including processes
+that bypassed libcgpu (no process slot: "unmanaged"). Those figures feed
+`meminfo`, `cgpu-smi` and the metrics, and the backstop: a container over
+its limit has its largest processes stopped (in eGPU mode after the OOM
+script, run inside the container by `cgpu_km.nsexec`).
+
+The decisions (`over_limit`, `Grandfather`) are pure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cgpu_km import kernelview
+from cgpu_km.registry import Key, Registry
+
+log = logging.getLogger("cgpu-daemon")
+
+OOM_SCRIPT_TIMEOUT = 5.0
+
+
+class Nvml:
+    """The NVML reads the daemon needs, with failures turned into empty answers."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nvml: Any = pynvml
+        self.nvml.nvmlInit()
+        self.handles: dict[int, Any] = {}
+        for position in range(int(self.nvml.nvmlDeviceGetCount())):
+            handle = self.nvml.nvmlDeviceGetHandleByIndex(position)
+            self.handles[int(self.nvml.nvmlDeviceGetIndex(handle))] = handle
+
+    def memory_by_pid(self) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+        """Bytes per (gpu, host pid) of the running compute processes, and used per GPU."""
+        procs: dict[tuple[int, int], int] = {}
+        used: dict[int, int] = {}
+        for gpu, handle in self.handles.items():
+            with contextlib.suppress(self.nvml.NVMLError):
+                for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    size = proc.usedGpuMemory
+                    procs[gpu, int(proc.pid)] = int(size) if size is not None else 0
+            with contextlib.suppress(self.nvml.NVMLError):
+                used[gpu] = int(self.nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        return procs, used
+
+    def utilization_by_pid(self, last_seen: Mapping[int, int]
+                           ) -> dict[int, list[tuple[int, int, int]]]:
+        """NVML's sampled per-process utilization (for display only): per GPU,
+        (host pid, timestamp in us, percent) newer than `last_seen[gpu]`."""
+        found: dict[int, list[tuple[int, int, int]]] = {}
+        for gpu, handle in self.handles.items():
+            try:
+                samples = self.nvml.nvmlDeviceGetProcessUtilization(handle, last_seen.get(gpu, 0))
+            except self.nvml.NVMLError:
+                continue
+            found[gpu] = [(int(s.pid), int(s.timeStamp), int(s.smUtil)) for s in samples]
+        return found
+
+
+@dataclass(frozen=True)
+class ContainerMemory:
+    """One container's GPU memory on one GPU, by host pid, from NVML."""
+
+    procs: Mapping[int, int] = field(default_factory=dict)
+    unmanaged: frozenset[int] = frozenset()  # host pids with no live process slot
+
+    @property
+    def total(self) -> int:
+        return sum(self.procs.values())
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """What the memory service measured at one instant."""
+
+    by_container: Mapping[Key, ContainerMemory]
+    used_by_gpu: Mapping[int, int] = field(default_factory=dict)
+    stray: Mapping[int, Mapping[int, int]] = field(default_factory=dict)  # gpu -> pid -> bytes
+    # As the containers' processes report them (display only): cumulative
+    # seconds their launches waited at the gate, allocations refused.
+    gate_wait: Mapping[Key, float] = field(default_factory=dict)
+    oom_refusals: Mapping[Key, int] = field(default_factory=dict)
+
+
+class Attribution:
+    """Which container the kernel puts each GPU process in (cached per pid and start)."""
+
+    def __init__(self, proc: str = kernelview.PROC) -> None:
+        self.proc = proc
+        self.host = kernelview.Host.read(proc)
+        self._info: dict[int, kernelview.ProcessInfo | None] = {}
+
+    def info(self, pid: int) -> kernelview.ProcessInfo | None:
+        cached = self._info.get(pid)
+        fresh = kernelview.process_info(pid, self.proc)
+        if cached is None or fresh is None or fresh.start_time != cached.start_time:
+            self._info[pid] = fresh
+            if len(self._info) > 4096:
+                self._info.clear()
+        return fresh
+
+    def owner_of(self, pid: int, owners: Mapping[str, kernelview.Owner]) -> str | None:
+        info = self.info(pid)
+        if info is None:
+            return None
+        for name, owner in owners.items():
+            if kernelview.belongs(info, owner, self.host, self.proc):
+                return name
+        return None
+
+    def slot_alive(self, pidns: int, pid: int, start_time: int,
+                   index: Mapping[tuple[int, int, int], int]) -> bool:
+        return (pidns, pid, start_time) in index
+
+    def index(self) -> dict[tuple[int, int, int], int]:
+        """Every running process as (pid namespace, pid in it, start time) -> host pid."""
+        found: dict[tuple[int, int, int], int] = {}
+        for pid in kernelview.all_pids(self.proc):
+            info = kernelview.process_info(pid, self.proc)
+            if info is not None and info.state not in ("Z", "X"):
+                found[info.pidns, info.inner_pid, info.start_time] = pid
+        return found
+
+
+def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> MemoryView:
+    """Every container's GPU memory by the kernel's attribution of NVML's processes."""
+    keys = registry.keys()
+    views = {key: entry.region.processes() for key, (entry, _k) in keys.items()}
+    gate_wait = {key: sum(p.gate_wait_ns[k] for p in views[key]) / 1e9
+                 for key, (_entry, k) in keys.items()}
+    refusals = {key: sum(p.oom_refusals[k] for p in views[key]) for key, (_e, k) in keys.items()}
+    if nvml is None:
+        return MemoryView(by_container={}, gate_wait=gate_wait, oom_refusals=refusals)
+    by_pid, used = nvml.memory_by_pid()
+    owners = {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None}
+    procs: dict[Key, dict[int, int]] = {key: {} for key in keys}
+    unmanaged: dict[Key, set[int]] = {key: set() for key in keys}
+    stray: dict[int, dict[int, int]] = {}
+    for (gpu, pid), size in sorted(by_pid.items()):
+        name = attribution.owner_of(pid, owners)
+        key = (gpu, name or "")
+        if name is None or key not in procs:
+            stray.setdefault(gpu, {})[pid] = size
+            continue
+        procs[key][pid] = size
+        slots = {(p.pidns, p.pid, p.start_time) for p in views[key]}
+        info = attribution.info(pid)
+        if info is None or (info.pidns, info.inner_pid, info.start_time) not in slots:
+            unmanaged[key].add(pid)
+    return MemoryView(
+        by_container={key: ContainerMemory(procs[key], frozenset(unmanaged[key]))
+                      for key in keys},
+        used_by_gpu=used, stray=stray, gate_wait=gate_wait, oom_refusals=refusals)
+
+
+def over_limit(procs: Mapping[int, int], limit: int) -> list[int]:
+    """The processes to stop so that the rest fit in `limit` (largest first); [] if within."""
+    if limit <= 0:
+        return []
+    total = sum(procs.values())
+    chosen: list[int] = []
+    for pid, size in sorted(procs.items(), key=lambda item: (-item[1], item[0])):
+        if total <= limit:
+            break
+        chosen.append(pid)
+        total -= size
+    return chosen
+
+
+class Grandfather:
+    """What a lowered limit leaves a container (cGPU mode): what it held when the
+    limit went below it, until its use falls under the new limit."""
+
+    def __init__(self) -> None:
+        self._held: dict[Key, int] = {}
+
+    def limit(self, key: Key, limit: int, usage: int, lowered: bool) -> int:
+        """The limit the backstop enforces now. `lowered`: the operator just set
+        `limit` below what the container had (its use is `usage`)."""
+        if limit <= 0:
+            self._held.pop(key, None)
+            return limit
+        if lowered and usage > limit:
+            self._held[key] = max(self._held.get(key, 0), usage)
+        held = self._held.get(key)
+        if held is None:
+            return limit
+        if usage <= limit:
+            del self._held[key]
+            return limit
+        return held
+
+    def forget(self, keep: set[Key]) -> None:
+        for key in set(self._held) - keep:
+            del self._held[key]
+
+
+def stop_process(pid: int, *, oom_script: str = "", env: Mapping[str, str] | None = None,
+                 timeout: float = OOM_SCRIPT_TIMEOUT,
+                 runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
+                 kill: Callable[[], None] | None = None) -> None:
+    """Stop a process over its container's limit: in eGPU mode its container's
+    OOM script first, run inside the container (`cgpu_km.nsexec`), then SIGKILL
+    (`kill`, when the caller holds a pidfd of the process).
+
+    Blocking (up to `timeout` and a little); the daemon calls it in a task of
+    its own, never where the heartbeat or the scheduler would wait."""
+    if oom_script:
+        extra = [f"--env={k}={v}" for k, v in sorted((env or {}).items())]
+        try:
+            result = runner([sys.executable, "-m", "cgpu_km.nsexec", f"--pid={pid}",
+                             f"--timeout={timeout}", *extra, "--", oom_script],
+                            capture_output=True, text=True, timeout=timeout + 10, check=False,
+                            stdin=subprocess.DEVNULL)
+            if result.returncode != 0:
+                detail = (result.stderr.strip().splitlines() or [f"status {result.returncode}"])
+                log.warning("OOM script %s for pid %d: %s", oom_script, pid, detail[-1])
+        except (OSError, subprocess.TimeoutExpired) as error:
+            log.warning("OOM script %s for pid %d failed: %s", oom_script, pid, error)
+    try:
+        if kill is not None:
+            kill()
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except PermissionError as error:
+        log.warning("cannot stop pid %d: %s", pid, error)

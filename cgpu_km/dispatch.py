@@ -1,0 +1,217 @@
+"""The daemon's dispatchers: one thread per GPU hands the GPU to one container at a time.
+
+A `Dispatcher` runs a `cgpu_km.sched.SliceScheduler` against a `GpuPort`:
+it observes the containers (who waits at the gate, who launched, who
+answered the last close), steps the scheduler, opens and closes gates, and
+stamps the heartbeat; then it sleeps until the scheduler's deadline or
+until a container rings its doorbell (a process starts waiting at the
+gate, or a watcher answers a close). Each dispatcher is a plain thread of
+its own, so nothing else the daemon does (tree reads, NVML, an OOM script,
+publishing) can delay a slice, a drain or the heartbeat.
+
+`RegionPort` is the port over the containers' regions; tests give a fake.
+The dispatcher's figures (GPU seconds charged to each container, shares,
+the holder) are read by the publishing service through `figures()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Protocol
+
+from cgpu_km import futex
+from cgpu_km.region import Region
+from cgpu_km.sched import GpuConfig, Observation, SliceDecision, SliceScheduler
+
+log = logging.getLogger("cgpu-daemon")
+
+HEARTBEAT_NS = 250_000_000  # gates fail open when the heartbeat is 2 s old
+IDLE_WAKE_NS = 1_000_000_000  # look again at least this often
+
+
+class GpuPort(Protocol):
+    """One GPU's containers as its dispatcher sees and drives them."""
+
+    def observe(self) -> Mapping[str, Observation]:
+        """What each container shows now."""
+
+    def apply(self, open_: frozenset[str], now_ns: int) -> None:
+        """Open the gates of `open_` and close the others'."""
+
+    def heartbeat(self, now_ns: int) -> None:
+        """Tell every container that the daemon is alive."""
+
+    def wait(self, deadline_ns: int) -> None:
+        """Sleep until the deadline or until something rings."""
+
+    def kick(self) -> None:
+        """Wake `wait` now (new configuration, new containers, stop)."""
+
+    def open_all(self) -> None:
+        """Open every gate (the daemon is going away: fail open)."""
+
+
+@dataclass(frozen=True)
+class Figures:
+    """A dispatcher's figures at one instant."""
+
+    used: Mapping[str, float]  # GPU seconds charged to each container so far
+    shares: Mapping[str, Fraction]
+    holder: str | None
+    steps: int
+    last_step: float  # time.monotonic() of the last step
+
+
+class Dispatcher:
+    """One GPU's scheduler in a thread of its own; `configure` from any thread."""
+
+    def __init__(self, gpu: int, port: GpuPort, config: GpuConfig, *,
+                 quantum: float = 0.02, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self.gpu = gpu
+        self.port = port
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._scheduler = SliceScheduler(config, quantum=quantum)
+        self._stop = threading.Event()
+        self._decision: SliceDecision | None = None
+        self._steps = 0
+        self._last_step = time.monotonic()
+        self.error: BaseException | None = None
+
+    @property
+    def scheduler(self) -> SliceScheduler:
+        return self._scheduler
+
+    def configure(self, config: GpuConfig) -> None:
+        """A new configuration (from the tree), applied at the next step."""
+        with self._lock:
+            if config != self._scheduler.config:
+                self._scheduler.configure(config)
+        self.port.kick()
+
+    def restore(self, state: Mapping[str, object]) -> None:
+        with self._lock:
+            self._scheduler.restore(state)
+
+    def state(self) -> dict[str, object]:
+        with self._lock:
+            return self._scheduler.to_state()
+
+    def figures(self) -> Figures:
+        with self._lock:
+            decision = self._decision
+            return Figures(used=self._scheduler.used(),
+                           shares=dict(decision.shares) if decision else {},
+                           holder=decision.holder if decision else None,
+                           steps=self._steps, last_step=self._last_step)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.port.kick()
+
+    def step(self) -> SliceDecision:
+        """One observe-decide-apply round (the thread's body; tests call it directly)."""
+        observed = self.port.observe()
+        now = self.clock()
+        with self._lock:
+            decision = self._scheduler.step(now / 1e9, observed)
+            self._decision = decision
+            self._steps += 1
+            self._last_step = time.monotonic()
+        self.port.apply(decision.open, now)
+        return decision
+
+    def run(self) -> None:
+        """Until `stop`: step, beat, sleep; on the way out every gate opens."""
+        next_beat = 0
+        try:
+            while not self._stop.is_set():
+                decision = self.step()
+                now = self.clock()
+                if now >= next_beat:
+                    self.port.heartbeat(now)
+                    next_beat = now + HEARTBEAT_NS
+                wake = decision.wake_at * 1e9 if decision.wake_at != float("inf") else now + \
+                    IDLE_WAKE_NS
+                self.port.wait(int(min(wake, next_beat, now + IDLE_WAKE_NS)))
+        except BaseException as error:  # logged; the daemon's watchdog notices the silence
+            self.error = error
+            log.exception("GPU %d: dispatcher failed", self.gpu)
+            raise
+        finally:
+            self.port.open_all()
+
+
+class RegionPort:
+    """`GpuPort` over the regions of one GPU's containers."""
+
+    def __init__(self, gpu: int) -> None:
+        self.gpu = gpu
+        self._entries: dict[str, tuple[Region, int]] = {}
+        self._rung: dict[str, int] = {}  # doorbell values at the last observation
+        self._kick = ctypes.c_uint32(0)
+        self._lock = threading.Lock()
+
+    def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
+        """The containers on this GPU: name -> (its region, its container GPU)."""
+        with self._lock:
+            self._entries = dict(entries)
+        self.kick()
+
+    def entries(self) -> dict[str, tuple[Region, int]]:
+        with self._lock:
+            return dict(self._entries)
+
+    def observe(self) -> dict[str, Observation]:
+        found: dict[str, Observation] = {}
+        rung: dict[str, int] = {}
+        for name, (region, k) in self.entries().items():
+            rung[name] = region.doorbell(k)
+            close_seq = region.close_seq(k)
+            waiting = False
+            launches = 0
+            answered = True
+            drained = 0
+            for slot in region.live_slots():
+                line = region.slot_gpu(slot, k)
+                launches += line.launches
+                if line.pending:
+                    waiting = True
+                if line.watching:
+                    if line.drained_seq != close_seq:
+                        answered = False
+                    drained = max(drained, line.drained_ns)
+            found[name] = Observation(waiting=waiting, launches=launches, answered=answered,
+                                      drained_at=drained / 1e9)
+        self._rung = rung
+        return found
+
+    def apply(self, open_: frozenset[str], now_ns: int) -> None:
+        for name, (region, k) in self.entries().items():
+            region.set_gate(k, name in open_, now_ns)
+
+    def heartbeat(self, now_ns: int) -> None:
+        for region, _k in self.entries().values():
+            region.heartbeat(now_ns)
+
+    def wait(self, deadline_ns: int) -> None:
+        words = [(ctypes.addressof(self._kick), self._kick.value, False)]
+        for name, (region, k) in self.entries().items():
+            seen = self._rung.get(name)
+            if seen is not None:
+                words.append((region.doorbell_address(k), seen, True))
+        futex.wait_any(words, deadline_ns)
+
+    def kick(self) -> None:
+        self._kick.value = (self._kick.value + 1) & 0xFFFFFFFF
+        futex.wake_private(ctypes.addressof(self._kick))
+
+    def open_all(self) -> None:
+        for region, k in self.entries().values():
+            region.set_gate(k, True)

@@ -1,0 +1,118 @@
+"""The daemon's view of the containers' regions: attached as the tree lists them.
+
+`Registry.attach` opens the region of every container the tree lists
+(`<region dir>/<name>/`), reopens one that was replaced, forgets those that
+went, and reads each one's recorded identity (`kernelview.Owner`). Regions
+are never closed explicitly: a dispatcher thread may still read one, and
+the mapping goes when the last reference does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+from pathlib import Path
+
+from cgpu_km import kernelview
+from cgpu_km import region as region_mod
+
+log = logging.getLogger("cgpu-daemon")
+
+Key = tuple[int, str]  # (host GPU index, container name)
+
+
+@dataclass(frozen=True)
+class Attached:
+    """An open region, what identifies its file, and its container's identity."""
+
+    name: str
+    region: region_mod.Region
+    identity: tuple[int, int]
+    owner: kernelview.Owner | None
+
+
+class Registry:
+    """Regions by container name; safe to use from several threads."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._attached: dict[str, Attached] = {}
+        self._containers: dict[int, frozenset[str]] = {}
+        self._warned: set[str] = set()
+
+    def attach(self, containers: Mapping[int, Set[str]]) -> bool:
+        """Follow the tree's containers; True when a region came, went or was replaced."""
+        wanted = {gpu: frozenset(names) for gpu, names in containers.items()}
+        names = {name for gpu_names in wanted.values() for name in gpu_names}
+        with self._lock:
+            before = dict(self._attached)
+        after: dict[str, Attached] = {}
+        for name in names:
+            path = region_mod.region_path(name, self.directory)
+            try:
+                info = (path / region_mod.CONTROL_NAME).stat()
+            except OSError:
+                continue
+            identity = (info.st_dev, info.st_ino)
+            known = before.get(name)
+            if known is not None and known.identity == identity:
+                if known.owner is None:  # recorded after the region was made (cgpu-run)
+                    known = Attached(name, known.region, identity, kernelview.read_owner(path))
+                after[name] = known
+                continue
+            try:
+                opened = region_mod.Region.open(path)
+            except region_mod.RegionError as error:
+                if name not in self._warned:
+                    log.warning("container %s: %s", name, error)
+                    self._warned.add(name)
+                continue
+            self._warned.discard(name)
+            after[name] = Attached(name, opened, identity, kernelview.read_owner(path))
+        with self._lock:
+            changed = after.keys() != before.keys() or any(
+                after[n].region is not before[n].region for n in after)
+            self._attached = after
+            self._containers = wanted
+        return changed
+
+    def missing(self) -> set[str]:
+        """Containers the tree lists whose region, or its identity, is not (yet) there."""
+        with self._lock:
+            names = {n for gpu_names in self._containers.values() for n in gpu_names}
+            return {n for n in names if n not in self._attached or self._attached[n].owner is None}
+
+    def containers(self) -> dict[int, frozenset[str]]:
+        with self._lock:
+            return dict(self._containers)
+
+    def get(self, name: str) -> Attached | None:
+        with self._lock:
+            return self._attached.get(name)
+
+    def all(self) -> list[Attached]:
+        with self._lock:
+            return list(self._attached.values())
+
+    def keys(self) -> dict[Key, tuple[Attached, int]]:
+        """(gpu, name) -> (its region, the container GPU that host GPU is)."""
+        with self._lock:
+            attached, containers = dict(self._attached), dict(self._containers)
+        found: dict[Key, tuple[Attached, int]] = {}
+        for gpu, names in containers.items():
+            for name in names:
+                entry = attached.get(name)
+                if entry is None:
+                    continue
+                k = entry.region.gpu_for_host(gpu)
+                if k is not None:
+                    found[gpu, name] = (entry, k)
+        return found
+
+    def entries_for(self, gpu: int) -> dict[str, tuple[region_mod.Region, int]]:
+        """What GPU `gpu`'s dispatcher drives: name -> (region, container GPU)."""
+        return {name: (entry.region, k) for (g, name), (entry, k) in self.keys().items()
+                if g == gpu}
