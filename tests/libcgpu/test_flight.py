@@ -82,7 +82,8 @@ def test_waiting_for_the_gpu_counts_as_pending(sandbox: Sandbox) -> None:
 @pytest.mark.parametrize("bound", [BOUND, 0], ids=["bounded", "unbounded"])
 def test_closed_gate_frees_the_gpu_within_a_few_kernels(sandbox: Sandbox, bound: int) -> None:
     """A managed process floods 5 ms kernels; its gate closes; an unmanaged
-    process's kernel then waits only for what the first one had queued."""
+    process's 20 kernels then share the GPU (in time slices, as on a GPU
+    without MPS) only with what the first one had queued."""
     region = sandbox.make_region(0)
     region.set_max_inflight(0, bound)
     sandbox.start_heartbeat()
@@ -93,11 +94,12 @@ def test_closed_gate_frees_the_gpu_within_a_few_kernels(sandbox: Sandbox, bound:
         region.set_gate(0, False)
         time.sleep(0.02)
         assert proc.poll() is None
-        other = queue(sandbox, 1, managed=False)
+        other = queue(sandbox, 20, managed=False)
     finally:
         region.set_gate(0, True)
         proc.communicate(timeout=30)
+    took = other["issue_ms"] + other["sync_ms"]
     if bound:
-        assert other["sync_ms"] < (bound + 4) * KERNEL_MS, other
+        assert took < 20 * KERNEL_MS * 1.25, other  # a few queued kernels ran in between
     else:
-        assert other["sync_ms"] > 300, other  # about 90 kernels were still queued
+        assert took > 20 * KERNEL_MS * 1.7, other  # about 90 queued kernels took half the GPU
