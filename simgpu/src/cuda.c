@@ -1,13 +1,26 @@
 /*
  * cuda.c: the simulated CUDA driver (libcuda.so.1).
  *
- * Devices, memory and busy time live in the shared state (state.c). Device
- * memory is real anonymous memory (mapped lazily, MAP_NORESERVE), so copies
- * and managed memory work. Kernels do nothing but occupy their device's one
- * engine for their duration: a function named sleep_<us> runs for <us>
- * microseconds, any other for SIMGPU_DEFAULT_KERNEL_US. A launch books the
- * engine right away (start = max(now, engine busy until)) and returns;
- * synchronization sleeps until the booked completion time.
+ * Devices, memory, queues and busy time live in the shared state (state.c).
+ * Device memory is real anonymous memory (mapped lazily, MAP_NORESERVE), so
+ * copies and managed memory work. Kernels do nothing but occupy their
+ * device's one engine for their duration: a function named sleep_<us> runs
+ * for <us> microseconds, any other for SIMGPU_DEFAULT_KERNEL_US.
+ *
+ * A launch appends the kernel to the process's queue on the device and
+ * returns a ticket (state.h): with the time-sliced engine its position in
+ * that queue, with SIMGPU_SCHED=fifo its booked completion time. Streams and
+ * contexts keep the ticket of their last kernel; events record one.
+ * Synchronization waits for a ticket (sim_ticket_wait sleeps until the
+ * predicted completion and looks again); queries look without waiting.
+ * Each stream holds at most SIMGPU_QUEUE_DEPTH outstanding kernels; a
+ * launch beyond that waits for the oldest.
+ *
+ * cuStreamWaitEvent on an event in the same queue (this process, this
+ * device) needs nothing: the queue runs in order. On an event in another
+ * queue (another device, or the parent's queue after fork) the stream's next
+ * launch waits on the host until the event completes, which orders the
+ * work correctly but blocks the caller, unlike a real driver.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -41,21 +54,24 @@ struct sim_stream {
     uint32_t magic;
     struct sim_ctx *ctx;
     unsigned flags;
-    uint64_t *ring; /* completion times of outstanding kernels */
+    struct sim_ticket *ring; /* where outstanding kernels end */
     unsigned head, count;
-    uint64_t last_end;
-    uint64_t not_before;
+    struct sim_ticket last;
+    uint64_t not_before;     /* fifo engine: cuStreamWaitEvent */
+    struct sim_ticket after; /* timeslice engine: an event in another queue to wait for */
     struct sim_graph *capture;
     struct sim_stream *next;
 };
 
+/* All contexts (and streams) of a process on one device feed the same queue
+ * of the engine, so their kernels run in launch order, as on one context. */
 struct sim_ctx {
     uint32_t magic;
     int dev;          /* physical index */
     int ordinal;      /* CUdevice as the process sees it */
     unsigned flags;
     int primary;
-    uint64_t last_end;
+    struct sim_ticket last;
     struct sim_stream null_stream;
     struct sim_stream *streams;
 };
@@ -64,7 +80,8 @@ struct sim_event {
     uint32_t magic;
     unsigned flags;
     int recorded;
-    uint64_t time;
+    struct sim_ticket work; /* what it waits for */
+    uint64_t time;          /* when that completed (CLOCK_MONOTONIC); 0: not yet known */
 };
 
 struct sim_func {
@@ -586,7 +603,7 @@ CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev)
 
 static void stream_init(struct sim_stream *s, struct sim_ctx *ctx, unsigned flags)
 {
-    memset(s, 0, sizeof(*s));
+    memset(s, 0, sizeof(*s)); /* zeroed tickets: no work */
     s->magic = MAGIC_STREAM;
     s->ctx = ctx;
     s->flags = flags;
@@ -624,7 +641,7 @@ static void stream_free(struct sim_stream *s)
  * The struct itself stays (marked dead) so stale handles fail cleanly. */
 static void ctx_teardown(struct sim_ctx *c)
 {
-    sim_sleep_until(c->last_end); /* like NVIDIA's driver, finish its work first */
+    sim_ticket_wait(&c->last); /* like NVIDIA's driver, finish its work first */
     for (size_t h = 0; h < ALLOC_BUCKETS; h++) {
         struct sim_alloc **pp = &g_allocs[h];
         while (*pp) {
@@ -796,13 +813,39 @@ CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
     return CUDA_SUCCESS;
 }
 
+/* Copy a ticket that launches of other threads may be writing. */
+static struct sim_ticket ticket_of(const struct sim_ticket *t)
+{
+    pthread_mutex_lock(&g_mu);
+    struct sim_ticket copy = *t;
+    pthread_mutex_unlock(&g_mu);
+    return copy;
+}
+
+static void wait_for(const struct sim_ticket *t)
+{
+    struct sim_ticket copy = ticket_of(t);
+    sim_ticket_wait(&copy);
+}
+
+/* Whether a ticket's work has run; t is the caller's own copy. */
+static int work_done(const struct sim_ticket *t)
+{
+    if (t->kind != SIM_TICKET_QUEUE)
+        return t->end_ns <= sim_now_ns();
+    sim_lock();
+    int done = sim_ticket_done_locked(t);
+    sim_unlock();
+    return done;
+}
+
 CUresult cuCtxSynchronize(void)
 {
     REQUIRE_INIT();
     struct sim_ctx *c = current_ctx();
     if (!c)
         return CUDA_ERROR_INVALID_CONTEXT;
-    sim_sleep_until(c->last_end);
+    wait_for(&c->last);
     return CUDA_SUCCESS;
 }
 
@@ -1350,7 +1393,7 @@ static CUresult sync_current(void)
     struct sim_ctx *c = current_ctx();
     if (!c)
         return CUDA_ERROR_INVALID_CONTEXT;
-    sim_sleep_until(c->last_end);
+    wait_for(&c->last);
     return CUDA_SUCCESS;
 }
 
@@ -1672,13 +1715,13 @@ CUresult cuStreamDestroy_v2(CUstream hStream)
     return CUDA_SUCCESS;
 }
 
-/* Completion time of everything queued so far on s (the legacy null stream
- * also waits for the context's other blocking streams). */
-static uint64_t stream_done_at(struct sim_stream *s)
+/* The end of everything queued so far on s (the legacy null stream also
+ * waits for the context's other blocking streams). */
+static const struct sim_ticket *stream_work(struct sim_stream *s)
 {
     if (s == &s->ctx->null_stream)
-        return s->ctx->last_end;
-    return s->last_end;
+        return &s->ctx->last;
+    return &s->last;
 }
 
 CUresult cuStreamSynchronize(CUstream hStream)
@@ -1689,7 +1732,7 @@ CUresult cuStreamSynchronize(CUstream hStream)
         return hStream ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_CONTEXT;
     if (s->capture)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    sim_sleep_until(stream_done_at(s));
+    wait_for(stream_work(s));
     return CUDA_SUCCESS;
 }
 
@@ -1699,7 +1742,8 @@ CUresult cuStreamQuery(CUstream hStream)
     struct sim_stream *s = stream_of(hStream);
     if (!s)
         return hStream ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_CONTEXT;
-    return stream_done_at(s) <= sim_now_ns() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    struct sim_ticket work = ticket_of(stream_work(s));
+    return work_done(&work) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx)
@@ -1741,9 +1785,18 @@ CUresult cuEventRecord(CUevent hEvent, CUstream hStream)
         return hStream ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_CONTEXT;
     if (s->capture)
         return CUDA_SUCCESS; /* an event node: nothing to time */
-    uint64_t now = sim_now_ns(), done = stream_done_at(s);
-    e->time = done > now ? done : now;
+    struct sim_ticket work = ticket_of(stream_work(s));
+    uint64_t now = sim_now_ns();
     e->recorded = 1;
+    e->work = work;
+    e->time = 0;
+    if (work.kind == SIM_TICKET_FIFO) {
+        e->time = work.end_ns > now ? work.end_ns : now;
+        e->work.end_ns = e->time;
+    } else if (work_done(&work)) {
+        memset(&e->work, 0, sizeof(e->work));
+        e->time = now;
+    }
     return CUDA_SUCCESS;
 }
 
@@ -1753,13 +1806,32 @@ CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int f
     return cuEventRecord(hEvent, hStream);
 }
 
+/* Whether the event's work has completed; its time is known from then on. */
+static int event_done(struct sim_event *e)
+{
+    if (!e->recorded)
+        return 1;
+    if (e->work.kind != SIM_TICKET_QUEUE)
+        return e->time <= sim_now_ns();
+    if (e->time)
+        return 1;
+    sim_lock();
+    int done = sim_ticket_done_locked(&e->work);
+    if (done) {
+        uint64_t at = sim_ticket_time_locked(&e->work);
+        e->time = at ? at : sim_now_ns();
+    }
+    sim_unlock();
+    return done;
+}
+
 CUresult cuEventQuery(CUevent hEvent)
 {
     REQUIRE_INIT();
     struct sim_event *e = (struct sim_event *)hEvent;
     if (!e || e->magic != MAGIC_EVENT)
         return CUDA_ERROR_INVALID_HANDLE;
-    return (!e->recorded || e->time <= sim_now_ns()) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    return event_done(e) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CUresult cuEventSynchronize(CUevent hEvent)
@@ -1768,8 +1840,11 @@ CUresult cuEventSynchronize(CUevent hEvent)
     struct sim_event *e = (struct sim_event *)hEvent;
     if (!e || e->magic != MAGIC_EVENT)
         return CUDA_ERROR_INVALID_HANDLE;
-    if (e->recorded)
+    if (e->recorded && !e->time)
+        sim_ticket_wait(&e->work);
+    else if (e->recorded)
         sim_sleep_until(e->time);
+    event_done(e);
     return CUDA_SUCCESS;
 }
 
@@ -1794,8 +1869,7 @@ CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
         return CUDA_ERROR_INVALID_HANDLE;
     if (!a->recorded || !b->recorded || ((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING))
         return CUDA_ERROR_INVALID_HANDLE;
-    uint64_t now = sim_now_ns();
-    if (a->time > now || b->time > now)
+    if (!event_done(a) || !event_done(b))
         return CUDA_ERROR_NOT_READY;
     *pMilliseconds = (float)((double)((int64_t)(b->time - a->time)) / 1e6);
     return CUDA_SUCCESS;
@@ -1811,8 +1885,26 @@ CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags)
         return CUDA_ERROR_INVALID_HANDLE;
     if (!s)
         return hStream ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_CONTEXT;
-    if (e->recorded && e->time > s->not_before)
-        s->not_before = e->time;
+    if (!e->recorded)
+        return CUDA_SUCCESS;
+    struct sim_ticket work = e->work;
+    pthread_mutex_lock(&g_mu);
+    if (work.kind == SIM_TICKET_FIFO && work.end_ns > s->not_before)
+        s->not_before = work.end_ns;
+    if (work.kind == SIM_TICKET_QUEUE) {
+        /* One pending wait per stream: another queue's is waited for now. */
+        struct sim_ticket old = s->after;
+        int same = old.kind == SIM_TICKET_QUEUE && old.slot == work.slot &&
+                   old.dev == work.dev && old.gen == work.gen;
+        if (old.kind == SIM_TICKET_QUEUE && !same) {
+            pthread_mutex_unlock(&g_mu);
+            sim_ticket_wait(&old);
+            pthread_mutex_lock(&g_mu);
+        }
+        if (!same || old.pos < work.pos)
+            s->after = work;
+    }
+    pthread_mutex_unlock(&g_mu);
     return CUDA_SUCCESS;
 }
 
@@ -1832,8 +1924,16 @@ static CUresult graph_append(struct sim_graph *g, uint64_t dur)
     return CUDA_SUCCESS;
 }
 
-/* Book one kernel of dur_ns on the stream's device. Caller holds g_mu; it
- * is released while waiting for room in the stream's queue. */
+/* Whether t is a position in this process's queue on dev (slot is its slot). */
+static int in_own_queue(const struct sim_ticket *t, int slot, int dev)
+{
+    return t->slot == slot && t->dev == dev &&
+           t->gen == sim_state()->procs[slot].generation;
+}
+
+/* Queue one kernel of dur_ns on the stream's device. Caller holds g_mu; it
+ * is released while waiting for room in the stream's queue or for an event
+ * in another queue (cuStreamWaitEvent). */
 static CUresult enqueue_kernel(struct sim_stream *s, uint64_t dur_ns)
 {
     if (s->capture)
@@ -1844,33 +1944,43 @@ static CUresult enqueue_kernel(struct sim_stream *s, uint64_t dur_ns)
             return CUDA_ERROR_OUT_OF_MEMORY;
     }
     for (;;) {
-        uint64_t now = sim_now_ns();
-        while (s->count > 0 && s->ring[s->head] <= now) {
+        struct sim_ctx *c = s->ctx;
+        struct sim_ticket wait;
+        sim_lock();
+        int slot = sim_self_slot_locked();
+        if (slot < 0) {
+            sim_unlock();
+            return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+        }
+        while (s->count > 0 && sim_ticket_done_locked(&s->ring[s->head])) {
             s->head = (s->head + 1) % g_queue_depth;
             s->count--;
         }
-        if (s->count < g_queue_depth)
-            break;
-        uint64_t wait = s->ring[s->head];
+        if (s->after.kind == SIM_TICKET_QUEUE &&
+            (in_own_queue(&s->after, slot, c->dev) || sim_ticket_done_locked(&s->after)))
+            memset(&s->after, 0, sizeof(s->after));
+        if (s->after.kind == SIM_TICKET_QUEUE) {
+            wait = s->after;
+        } else if (s->count == g_queue_depth) {
+            wait = s->ring[s->head];
+        } else {
+            struct sim_ticket t;
+            sim_enqueue_locked(c->dev, slot, dur_ns, s->not_before, &t);
+            sim_unlock();
+            s->ring[(s->head + s->count) % g_queue_depth] = t;
+            s->count++;
+            s->last = t;
+            if (t.kind != SIM_TICKET_FIFO || t.end_ns > c->last.end_ns)
+                c->last = t;
+            return CUDA_SUCCESS;
+        }
+        sim_unlock();
         pthread_mutex_unlock(&g_mu);
-        sim_sleep_until(wait);
+        sim_ticket_wait(&wait);
         pthread_mutex_lock(&g_mu);
         if (s->magic != MAGIC_STREAM)
             return CUDA_ERROR_INVALID_HANDLE;
     }
-    struct sim_ctx *c = s->ctx;
-    sim_lock();
-    int slot = sim_self_slot_locked();
-    uint64_t end = slot < 0 ? sim_now_ns() : sim_enqueue_locked(c->dev, slot, dur_ns, s->not_before);
-    sim_unlock();
-    if (slot < 0)
-        return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
-    s->ring[(s->head + s->count) % g_queue_depth] = end;
-    s->count++;
-    s->last_end = end;
-    if (end > c->last_end)
-        c->last_end = end;
-    return CUDA_SUCCESS;
 }
 
 static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -1943,7 +2053,7 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned
 }
 
 struct host_call {
-    uint64_t at;
+    struct sim_ticket after;
     CUhostFn fn;
     void *data;
 };
@@ -1951,7 +2061,7 @@ struct host_call {
 static void *host_call_thread(void *arg)
 {
     struct host_call *hc = arg;
-    sim_sleep_until(hc->at);
+    sim_ticket_wait(&hc->after);
     hc->fn(hc->data);
     free(hc);
     return NULL;
@@ -1969,7 +2079,7 @@ CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
     pthread_t th;
     if (!hc)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    hc->at = stream_done_at(s);
+    hc->after = ticket_of(stream_work(s));
     hc->fn = fn;
     hc->data = userData;
     if (pthread_create(&th, NULL, host_call_thread, hc) != 0) {

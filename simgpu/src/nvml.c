@@ -6,7 +6,27 @@
  * device, with its memory (allocations plus context memory). Process PIDs
  * are those seen from the caller's PID namespace (the kernel translates the
  * owner of the process's liveness lock), else the PID the process recorded.
- * Utilization comes from the engine's log of kernel intervals.
+ *
+ * Utilization comes from the engine's log of what ran when, read the way
+ * the driver samples it rather than exactly:
+ *  - the device and each process are sampled every SIMGPU_NVML_SAMPLE_MS
+ *    (default 167), each on its own phase (from the device index, or from
+ *    the process's slot and pid), at instants of CLOCK_REALTIME; only
+ *    completed samples are reported, so a reading lags by up to a period;
+ *  - a device sample is the part of its period in which any kernel ran; a
+ *    process sample is the part of its period in which its kernels ran,
+ *    times the process's bias (SIMGPU_NVML_PROC_BIAS of the reader, else
+ *    the factor stored in the process's slot: its own SIMGPU_NVML_PROC_BIAS,
+ *    else one drawn between 0.7 and 1.4), integer percents capped at 100,
+ *    so per-process figures need not add up to the engine's time (on an H200
+ *    two identical processes at 1:1 read from 1:0.72 to 1:2.00);
+ *  - nvmlDeviceGetProcessUtilization lists the samples newer than
+ *    lastSeenTimeStamp (0: the latest of each process), at most
+ *    SAMPLE_HISTORY per process, and only those with nonzero use.
+ * SIMGPU_NVML_EXACT=1 reports exact figures instead: busy time since
+ * lastSeenTimeStamp (0: the last SIMGPU_UTIL_WINDOW_MS) for every process
+ * holding a context or that ran in that time, without bias, and over the
+ * last SIMGPU_UTIL_WINDOW_MS for the device.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -40,6 +60,9 @@ static unsigned g_init_count;
 static unsigned g_ndev;
 static struct nvml_dev g_devs[SIM_MAX_DEVICES];
 static uint64_t g_util_window_ns;
+static uint64_t g_sample_ns;
+static int g_exact;
+static int g_bias_milli; /* the reader's SIMGPU_NVML_PROC_BIAS, -1: each process's own */
 
 /* ---------- init and errors ---------- */
 
@@ -61,6 +84,12 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
         g_util_window_ns = sim_env_u64("SIMGPU_UTIL_WINDOW_MS", SIM_DEFAULT_UTIL_WINDOW_MS) * 1000000ULL;
         if (g_util_window_ns == 0)
             g_util_window_ns = 1000000ULL;
+        g_sample_ns = sim_env_u64("SIMGPU_NVML_SAMPLE_MS", SIM_DEFAULT_NVML_SAMPLE_MS) * 1000000ULL;
+        if (g_sample_ns == 0)
+            g_sample_ns = 1000000ULL;
+        const char *exact = getenv("SIMGPU_NVML_EXACT");
+        g_exact = exact && strcmp(exact, "1") == 0;
+        g_bias_milli = sim_env_bias_milli();
         g_init_count++;
     }
     pthread_mutex_unlock(&g_mu);
@@ -495,33 +524,62 @@ static unsigned percent(uint64_t part, uint64_t whole)
     return p > 100 ? 100 : (unsigned)p;
 }
 
+/* The latest sampling instant (realtime microseconds) of a sampler with
+ * this phase, at or before now_us. */
+static uint64_t last_sample_us(uint64_t now_us, uint64_t phase_us)
+{
+    uint64_t period_us = g_sample_ns / 1000;
+    return now_us - (now_us + period_us - phase_us % period_us) % period_us;
+}
+
+static uint64_t device_phase_us(int phys)
+{
+    return sim_hash(0xde0000ULL + (uint64_t)phys) % (g_sample_ns / 1000);
+}
+
+static uint64_t process_phase_us(int slot, int32_t pid)
+{
+    return sim_hash(((uint64_t)(uint32_t)pid << 20) ^ (uint64_t)slot ^ 0x5a3cULL) %
+           (g_sample_ns / 1000);
+}
+
+static unsigned biased_percent(uint64_t busy, uint64_t whole, uint32_t bias_milli)
+{
+    if (whole == 0)
+        return 0;
+    uint64_t p = (busy * 100 * bias_milli + whole * 500) / (whole * 1000);
+    return p > 100 ? 100 : (unsigned)p;
+}
+
 nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
 {
     REQUIRE_DEV(d, device);
     if (!utilization)
         return NVML_ERROR_INVALID_ARGUMENT;
-    uint64_t now = sim_now_ns();
-    uint64_t from = now > g_util_window_ns ? now - g_util_window_ns : 0;
+    uint64_t now = sim_now_ns(), now_us = realtime_us();
+    uint64_t window = g_exact ? g_util_window_ns : g_sample_ns;
+    uint64_t to = now;
+    if (!g_exact)
+        to = now - (now_us - last_sample_us(now_us, device_phase_us(d->phys))) * 1000;
+    uint64_t from = to > window ? to - window : 0;
     sim_lock();
-    uint64_t busy = sim_busy_in_locked(d->phys, -1, 0, from, now);
+    sim_advance_locked(d->phys);
+    uint64_t busy = sim_busy_in_locked(d->phys, -1, 0, from, to);
     sim_unlock();
-    utilization->gpu = percent(busy, now - from);
+    utilization->gpu = percent(busy, to - from);
     utilization->memory = 0;
     return NVML_SUCCESS;
 }
 
-/* One sample per process: its share of the engine's time since
- * lastSeenTimeStamp (microseconds since the epoch; 0 means the last
- * SIMGPU_UTIL_WINDOW_MS), for every process holding a context on the device
- * and every process whose kernels ran in that window. */
-nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
-                                             nvmlProcessUtilizationSample_t *utilization,
-                                             unsigned int *processSamplesCount,
-                                             unsigned long long lastSeenTimeStamp)
+/* SIMGPU_NVML_EXACT=1: one sample per process, its share of the engine's
+ * time since lastSeenTimeStamp (microseconds since the epoch; 0 means the
+ * last SIMGPU_UTIL_WINDOW_MS), for every process holding a context on the
+ * device and every process whose kernels ran in that window. */
+static nvmlReturn_t exact_process_util(struct nvml_dev *d,
+                                       nvmlProcessUtilizationSample_t *utilization,
+                                       unsigned int *processSamplesCount,
+                                       unsigned long long lastSeenTimeStamp)
 {
-    REQUIRE_DEV(d, device);
-    if (!processSamplesCount)
-        return NVML_ERROR_INVALID_ARGUMENT;
     uint64_t now = sim_now_ns(), now_us = realtime_us();
     uint64_t from;
     if (lastSeenTimeStamp == 0)
@@ -537,6 +595,7 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
     uint64_t busy[SIM_MAX_PROCS];
     struct sim_state *s = sim_state();
     sim_lock();
+    sim_advance_locked(d->phys);
     /* Processes that ran in the window but hold no context now (or died). */
     const struct sim_device *dv = &s->devices[d->phys];
     uint64_t logged = dv->log_count < SIM_LOG_LEN ? dv->log_count : SIM_LOG_LEN;
@@ -583,6 +642,141 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
     }
     *processSamplesCount = n;
     return NVML_SUCCESS;
+}
+
+#define SAMPLE_HISTORY 32
+
+/* The processes whose kernels ran on phys since from, with their bias
+ * (under the lock). */
+static unsigned recent_procs(int phys, uint64_t from, struct proc_row *rows, uint32_t *bias)
+{
+    struct sim_state *s = sim_state();
+    const struct sim_device *dv = &s->devices[phys];
+    uint64_t logged = dv->log_count < SIM_LOG_LEN ? dv->log_count : SIM_LOG_LEN;
+    unsigned n = 0;
+    for (uint64_t k = 0; k < logged && n < SIM_MAX_PROCS; k++) {
+        const struct sim_interval *iv = &dv->log[(dv->log_count - 1 - k) % SIM_LOG_LEN];
+        if (iv->end_ns <= from)
+            break;
+        unsigned j;
+        for (j = 0; j < n; j++) {
+            if (rows[j].slot == iv->slot && rows[j].recorded == iv->pid)
+                break;
+        }
+        if (j < n)
+            continue;
+        const struct sim_proc *p = &s->procs[iv->slot];
+        int alive = p->in_use && p->pid == iv->pid;
+        rows[n].slot = iv->slot;
+        rows[n].recorded = iv->pid;
+        rows[n].pid = iv->pid;
+        rows[n].mem = 0;
+        if (alive)
+            sim_slot_alive_locked(iv->slot, &rows[n].pid);
+        if (g_bias_milli >= 0)
+            bias[n] = (uint32_t)g_bias_milli;
+        else
+            bias[n] = alive ? p->nvml_bias_milli : sim_drawn_bias_milli(iv->slot, iv->pid);
+        n++;
+    }
+    return n;
+}
+
+/*
+ * pynvml asks for the size, then for the samples. A sample completing in
+ * between would make the second call fail, so a call that repeats one
+ * answered NVML_ERROR_INSUFFICIENT_SIZE (same device and lastSeenTimeStamp,
+ * within a second) is answered as of that one.
+ */
+static struct {
+    nvmlDevice_t device;
+    unsigned long long last_seen;
+    uint64_t now, now_us;
+} g_asked;
+
+static nvmlReturn_t sampled_process_util(struct nvml_dev *d,
+                                         nvmlProcessUtilizationSample_t *utilization,
+                                         unsigned int *processSamplesCount,
+                                         unsigned long long lastSeenTimeStamp)
+{
+    uint64_t now = sim_now_ns(), now_us = realtime_us();
+    const uint64_t period = g_sample_ns, period_us = g_sample_ns / 1000;
+    pthread_mutex_lock(&g_mu);
+    if (g_asked.device == (nvmlDevice_t)d && g_asked.last_seen == lastSeenTimeStamp &&
+        now - g_asked.now < 1000000000ULL) {
+        now = g_asked.now;
+        now_us = g_asked.now_us;
+    }
+    g_asked.device = NULL;
+    pthread_mutex_unlock(&g_mu);
+
+    unsigned history = lastSeenTimeStamp ? SAMPLE_HISTORY : 1;
+    uint64_t back = (history + 1) * period;
+    struct proc_row rows[SIM_MAX_PROCS];
+    uint32_t bias[SIM_MAX_PROCS];
+    uint64_t busy[SAMPLE_HISTORY];
+    nvmlProcessUtilizationSample_t *samples;
+    unsigned count = 0;
+    sim_lock();
+    sim_advance_locked(d->phys);
+    uint64_t logged_since = sim_log_since_locked(d->phys);
+    unsigned n = recent_procs(d->phys, now > back ? now - back : 0, rows, bias);
+    samples = calloc((size_t)n * history + 1, sizeof(*samples));
+    if (!samples) {
+        sim_unlock();
+        return NVML_ERROR_MEMORY;
+    }
+    for (unsigned j = 0; j < n; j++) {
+        uint64_t last_us = last_sample_us(now_us, process_phase_us(rows[j].slot, rows[j].recorded));
+        uint64_t last_end = now - (now_us - last_us) * 1000;
+        unsigned k = 0; /* its samples to report, the newest last */
+        while (k < history && last_us - k * period_us > lastSeenTimeStamp &&
+               last_end >= (k + 1) * period + logged_since)
+            k++;
+        sim_busy_periods_locked(d->phys, rows[j].slot, rows[j].recorded, last_end, period, k,
+                                busy);
+        for (unsigned i = 0; i < k; i++) {
+            unsigned util = biased_percent(busy[i], period, bias[j]);
+            if (util == 0)
+                continue;
+            samples[count].pid = (unsigned)rows[j].pid;
+            samples[count].timeStamp = last_us - (k - 1 - i) * period_us;
+            samples[count].smUtil = util;
+            count++;
+        }
+    }
+    sim_unlock();
+
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (count == 0) {
+        rc = NVML_ERROR_NOT_FOUND;
+    } else if (!utilization || *processSamplesCount < count) {
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+        pthread_mutex_lock(&g_mu);
+        g_asked.device = (nvmlDevice_t)d;
+        g_asked.last_seen = lastSeenTimeStamp;
+        g_asked.now = now;
+        g_asked.now_us = now_us;
+        pthread_mutex_unlock(&g_mu);
+    } else {
+        memcpy(utilization, samples, sizeof(*samples) * count);
+    }
+    *processSamplesCount = count;
+    free(samples);
+    return rc;
+}
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                             nvmlProcessUtilizationSample_t *utilization,
+                                             unsigned int *processSamplesCount,
+                                             unsigned long long lastSeenTimeStamp)
+{
+    REQUIRE_DEV(d, device);
+    if (!processSamplesCount)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (g_exact)
+        return exact_process_util(d, utilization, processSamplesCount, lastSeenTimeStamp);
+    return sampled_process_util(d, utilization, processSamplesCount, lastSeenTimeStamp);
 }
 
 /* ---------- cosmetic readings ---------- */

@@ -7,6 +7,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,8 +18,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define SIM_MAGIC 0x53494d4750553031ULL /* "SIMGPU01" */
-#define SIM_LAYOUT_VERSION 1U
+#define SIM_MAGIC 0x53494d4750553032ULL /* "SIMGPU02" */
+#define SIM_LAYOUT_VERSION 2U
 /* Lock bytes live far beyond the mapped data (locks may cover bytes past EOF). */
 #define SIM_LOCK_MUTEX_OFF (1LL << 32)
 #define SIM_LOCK_SLOT_OFF ((1LL << 32) + 16)
@@ -68,6 +69,29 @@ uint64_t sim_env_u64(const char *name, uint64_t dflt)
         return dflt;
     }
     return out;
+}
+
+uint64_t sim_hash(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ULL; /* splitmix64 */
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+int sim_env_bias_milli(void)
+{
+    const char *v = getenv("SIMGPU_NVML_PROC_BIAS");
+    char *end;
+    if (!v || !*v)
+        return -1;
+    double f = strtod(v, &end);
+    if (*end != '\0' || !(f >= 0.0 && f <= 1000.0)) {
+        fprintf(stderr, "simgpu: SIMGPU_NVML_PROC_BIAS=%s is not a factor; drawing one per process\n",
+                v);
+        return -1;
+    }
+    return (int)(f * 1000.0 + 0.5);
 }
 
 /* ---------- parsing (pure) ---------- */
@@ -314,12 +338,15 @@ int sim_slot_alive_locked(int slot, int32_t *pid_out)
     return 1;
 }
 
+static void engine_drop_slot(int slot);
+
 void sim_reap_locked(void)
 {
     for (int i = 0; i < SIM_MAX_PROCS; i++) {
         struct sim_proc *p = &g_state->procs[i];
         if (p->in_use && !sim_slot_alive_locked(i, NULL)) {
             uint64_t gen = p->generation;
+            engine_drop_slot(i);
             memset(p, 0, sizeof(*p));
             p->generation = gen;
         }
@@ -343,6 +370,8 @@ int sim_self_slot_locked(void)
         p->generation = gen;
         p->in_use = 1;
         p->pid = g_self_pid;
+        int bias = sim_env_bias_milli();
+        p->nvml_bias_milli = bias >= 0 ? (uint32_t)bias : sim_drawn_bias_milli(i, p->pid);
         g_self_slot = i;
         g_self_generation = gen;
         return i;
@@ -362,7 +391,33 @@ uint64_t sim_used_locked(int dev)
 
 /* ---------- the engine ---------- */
 
-uint64_t sim_enqueue_locked(int dev, int slot, uint64_t dur_ns, uint64_t not_before_ns)
+static void log_append(int dev, int slot, uint64_t start, uint64_t end, uint64_t done)
+{
+    struct sim_device *d = &g_state->devices[dev];
+    int32_t pid = g_state->procs[slot].pid;
+    d->busy_total_ns += end - start;
+    g_state->procs[slot].busy_ns[dev] += end - start;
+    if (end == start)
+        return;
+    if (d->log_count > 0) {
+        struct sim_interval *last = &d->log[(d->log_count - 1) % SIM_LOG_LEN];
+        if (last->slot == slot && last->pid == pid && last->end_ns == start) {
+            last->end_ns = end;
+            last->done_ns = done;
+            return;
+        }
+    }
+    struct sim_interval *iv = &d->log[d->log_count % SIM_LOG_LEN];
+    iv->start_ns = start;
+    iv->end_ns = end;
+    iv->done_ns = done;
+    iv->slot = slot;
+    iv->pid = pid;
+    d->log_count++;
+}
+
+static void fifo_enqueue(int dev, int slot, uint64_t dur_ns, uint64_t not_before_ns,
+                         struct sim_ticket *t)
 {
     struct sim_device *d = &g_state->devices[dev];
     uint64_t start = sim_now_ns();
@@ -370,62 +425,366 @@ uint64_t sim_enqueue_locked(int dev, int slot, uint64_t dur_ns, uint64_t not_bef
         start = d->busy_until_ns;
     if (not_before_ns > start)
         start = not_before_ns;
-    uint64_t end = start + dur_ns;
-    d->busy_until_ns = end;
-    d->busy_total_ns += dur_ns;
-    g_state->procs[slot].busy_ns[dev] += dur_ns;
-    if (dur_ns == 0)
-        return end;
-    if (d->log_count > 0) {
-        struct sim_interval *last = &d->log[(d->log_count - 1) % SIM_LOG_LEN];
-        if (last->slot == slot && last->pid == g_state->procs[slot].pid && last->end_ns == start) {
-            last->end_ns = end;
-            return end;
+    d->busy_until_ns = start + dur_ns;
+    log_append(dev, slot, start, start + dur_ns, 0);
+    memset(t, 0, sizeof(*t));
+    t->kind = SIM_TICKET_FIFO;
+    t->dev = dev;
+    t->end_ns = start + dur_ns;
+}
+
+static int is_active(const struct sim_engine *e, int slot)
+{
+    return (e->active[slot / 64] >> (slot % 64)) & 1;
+}
+
+static void set_active(struct sim_engine *e, int slot, int on)
+{
+    if (on)
+        e->active[slot / 64] |= 1ULL << (slot % 64);
+    else
+        e->active[slot / 64] &= ~(1ULL << (slot % 64));
+}
+
+static int others_active(const struct sim_engine *e, int slot)
+{
+    for (int w = 0; w < SIM_PROC_WORDS; w++) {
+        uint64_t bits = e->active[w];
+        if (slot / 64 == w)
+            bits &= ~(1ULL << (slot % 64));
+        if (bits)
+            return 1;
+    }
+    return 0;
+}
+
+/* The first slot with queued work after slot in round-robin order (slot
+ * itself comes last); -1 when there is none. */
+static int next_active(const struct sim_engine *e, int slot)
+{
+    int from = (slot + 1) % SIM_MAX_PROCS;
+    for (int k = 0; k <= SIM_PROC_WORDS; k++) {
+        int w = (from / 64 + k) % SIM_PROC_WORDS;
+        uint64_t bits = e->active[w];
+        if (k == 0)
+            bits &= ~0ULL << (from % 64);
+        else if (k == SIM_PROC_WORDS)
+            bits &= (1ULL << (from % 64)) - 1;
+        if (bits)
+            return w * 64 + __builtin_ctzll(bits);
+    }
+    return -1;
+}
+
+/* Hand the engine to slot at time t: a new slice, after a context switch
+ * unless its context is the one loaded. */
+static void engine_start(struct sim_engine *e, int slot, uint64_t t)
+{
+    e->run = slot;
+    e->switch_end_ns = t + (slot != e->last ? g_state->switch_ns : 0);
+    e->slice_end_ns = e->switch_end_ns + g_state->timeslice_ns;
+    e->last = slot;
+}
+
+static void engine_next(struct sim_engine *e, uint64_t t)
+{
+    int next = next_active(e, e->run);
+    if (next >= 0)
+        engine_start(e, next, t);
+    else
+        e->run = -1;
+}
+
+/*
+ * Replay the round robin on e from e->at_ns up to until, in at most
+ * max_steps stretches. With dev >= 0, e is that device's engine and what
+ * runs goes to its log and busy counters; with dev < 0, e is a scratch copy.
+ * With watch >= 0 (whose done_ns must be below pos), it stops when the
+ * watched slot's done_ns reaches pos and returns that time. Otherwise, or
+ * when it stops short, it returns 0; e->at_ns says how far it got.
+ */
+static uint64_t engine_run(struct sim_engine *e, int dev, uint64_t until, int watch,
+                           uint64_t pos, unsigned max_steps)
+{
+    const uint64_t slice = g_state->timeslice_ns;
+    uint64_t t = e->at_ns;
+    for (; t < until && max_steps > 0; max_steps--) {
+        int r = e->run;
+        if (r < 0) {
+            t = until;
+            break;
+        }
+        if (t < e->switch_end_ns) {
+            t = e->switch_end_ns < until ? e->switch_end_ns : until;
+            continue;
+        }
+        int others = others_active(e, r);
+        uint64_t stop = until;
+        if (others) {
+            if (e->slice_end_ns <= t) {
+                engine_start(e, next_active(e, r), t); /* preempt r */
+                continue;
+            }
+            if (e->slice_end_ns < stop)
+                stop = e->slice_end_ns;
+        }
+        uint64_t before = e->done_ns[r];
+        uint64_t span = e->queued_ns[r] - before;
+        if (span > stop - t)
+            span = stop - t;
+        e->done_ns[r] += span;
+        if (dev >= 0)
+            log_append(dev, r, t, t + span, e->done_ns[r]);
+        if (r == watch && e->done_ns[r] >= pos) {
+            e->at_ns = t + (pos - before);
+            return e->at_ns;
+        }
+        t += span;
+        if (e->done_ns[r] == e->queued_ns[r]) {
+            set_active(e, r, 0); /* ran dry: the rest of its slice goes */
+            engine_next(e, t);
+        } else if (!others && e->slice_end_ns <= t) {
+            /* Alone, it runs on; the next waiter takes over at a slice boundary. */
+            e->slice_end_ns = t + slice - (t - e->slice_end_ns) % slice;
         }
     }
-    struct sim_interval *iv = &d->log[d->log_count % SIM_LOG_LEN];
-    iv->start_ns = start;
-    iv->end_ns = end;
-    iv->slot = slot;
-    iv->pid = g_state->procs[slot].pid;
-    d->log_count++;
-    return end;
+    e->at_ns = t;
+    return 0;
+}
+
+void sim_advance_locked(int dev)
+{
+    struct sim_engine *e = &g_state->devices[dev].engine;
+    uint64_t now = sim_now_ns();
+    if (g_state->sched == SIM_SCHED_TIMESLICE && now > e->at_ns)
+        engine_run(e, dev, now, -1, 0, UINT_MAX);
+}
+
+void sim_enqueue_locked(int dev, int slot, uint64_t dur_ns, uint64_t not_before_ns,
+                        struct sim_ticket *t)
+{
+    if (g_state->sched == SIM_SCHED_FIFO) {
+        fifo_enqueue(dev, slot, dur_ns, not_before_ns, t);
+        return;
+    }
+    struct sim_engine *e = &g_state->devices[dev].engine;
+    sim_advance_locked(dev);
+    e->queued_ns[slot] += dur_ns;
+    t->pos = e->queued_ns[slot];
+    t->gen = g_state->procs[slot].generation;
+    t->end_ns = 0;
+    t->slot = slot;
+    t->dev = dev;
+    t->kind = SIM_TICKET_QUEUE;
+    if (dur_ns > 0 && !is_active(e, slot)) {
+        set_active(e, slot, 1);
+        if (e->run < 0)
+            engine_start(e, slot, e->at_ns);
+    }
+}
+
+/* Reaping a slot: its queued work vanishes, as a real driver kills a dead
+ * process's work. */
+static void engine_drop_slot(int slot)
+{
+    if (g_state->sched == SIM_SCHED_FIFO)
+        return;
+    for (uint32_t dev = 0; dev < g_state->device_count; dev++) {
+        struct sim_engine *e = &g_state->devices[dev].engine;
+        sim_advance_locked((int)dev);
+        e->queued_ns[slot] = e->done_ns[slot] = 0;
+        set_active(e, slot, 0);
+        if (e->run == slot)
+            engine_next(e, e->at_ns);
+        if (e->last == slot)
+            e->last = -1;
+    }
+}
+
+int sim_ticket_done_locked(const struct sim_ticket *t)
+{
+    if (t->kind != SIM_TICKET_QUEUE)
+        return t->end_ns <= sim_now_ns();
+    const struct sim_proc *p = &g_state->procs[t->slot];
+    if (!p->in_use || p->generation != t->gen)
+        return 1;
+    sim_advance_locked(t->dev);
+    return g_state->devices[t->dev].engine.done_ns[t->slot] >= t->pos;
+}
+
+uint64_t sim_ticket_time_locked(const struct sim_ticket *t)
+{
+    if (t->kind != SIM_TICKET_QUEUE)
+        return t->end_ns;
+    const struct sim_proc *p = &g_state->procs[t->slot];
+    const struct sim_device *d = &g_state->devices[t->dev];
+    uint64_t n = d->log_count < SIM_LOG_LEN ? d->log_count : SIM_LOG_LEN;
+    if (!p->in_use || p->generation != t->gen)
+        return 0;
+    /* The stretch in which the slot's done_ns crossed pos. */
+    for (uint64_t k = 0; k < n; k++) {
+        const struct sim_interval *iv = &d->log[(d->log_count - 1 - k) % SIM_LOG_LEN];
+        if (iv->slot != t->slot || iv->pid != p->pid)
+            continue;
+        if (iv->done_ns < t->pos)
+            break;
+        uint64_t done_at_start = iv->done_ns - (iv->end_ns - iv->start_ns);
+        if (done_at_start < t->pos)
+            return iv->start_ns + (t->pos - done_at_start);
+    }
+    return 0;
+}
+
+#define PREDICT_STEPS (1U << 16)
+
+/* The earliest time the ticket's work can be done if no new work comes. */
+static uint64_t predict_locked(const struct sim_ticket *t)
+{
+    struct sim_engine *e = &g_state->devices[t->dev].engine;
+    struct sim_engine copy;
+    if (others_active(e, t->slot)) {
+        sim_reap_locked(); /* a dead process's queue would hold us up */
+        if (sim_ticket_done_locked(t))
+            return 0;
+    }
+    memcpy(&copy, e, sizeof(copy));
+    uint64_t at = engine_run(&copy, -1, UINT64_MAX, t->slot, t->pos, PREDICT_STEPS);
+    if (at)
+        return at;
+    if (copy.at_ns == UINT64_MAX) /* cannot happen: an active queue keeps the engine busy */
+        return sim_now_ns() + 1000000;
+    return copy.at_ns; /* a lower bound: look again from there */
+}
+
+void sim_ticket_wait(const struct sim_ticket *t)
+{
+    if (t->kind != SIM_TICKET_QUEUE) {
+        sim_sleep_until(t->end_ns);
+        return;
+    }
+    for (;;) {
+        uint64_t at = 0;
+        sim_lock();
+        if (!sim_ticket_done_locked(t))
+            at = predict_locked(t);
+        sim_unlock();
+        if (!at)
+            return;
+        sim_sleep_until(at);
+    }
 }
 
 uint64_t sim_busy_in_locked(int dev, int slot, int32_t pid, uint64_t from_ns, uint64_t to_ns)
 {
-    const struct sim_device *d = &g_state->devices[dev];
-    uint64_t n = d->log_count < SIM_LOG_LEN ? d->log_count : SIM_LOG_LEN;
     uint64_t busy = 0;
-    /* Intervals are appended in FIFO order, so their ends never decrease. */
-    for (uint64_t k = 0; k < n; k++) {
+    if (to_ns > from_ns)
+        sim_busy_periods_locked(dev, slot, pid, to_ns, to_ns - from_ns, 1, &busy);
+    return busy;
+}
+
+void sim_busy_periods_locked(int dev, int slot, int32_t pid, uint64_t last_end_ns,
+                             uint64_t period_ns, unsigned n, uint64_t *out)
+{
+    const struct sim_device *d = &g_state->devices[dev];
+    uint64_t logged = d->log_count < SIM_LOG_LEN ? d->log_count : SIM_LOG_LEN;
+    memset(out, 0, n * sizeof(*out));
+    if (n == 0 || period_ns == 0 || last_end_ns / period_ns < n)
+        return;
+    uint64_t base = last_end_ns - n * period_ns;
+    for (uint64_t k = 0; k < logged; k++) {
         const struct sim_interval *iv = &d->log[(d->log_count - 1 - k) % SIM_LOG_LEN];
-        if (iv->end_ns <= from_ns)
+        if (iv->end_ns <= base)
             break;
         if (slot >= 0 && (iv->slot != slot || iv->pid != pid))
             continue;
-        uint64_t a = iv->start_ns > from_ns ? iv->start_ns : from_ns;
-        uint64_t b = iv->end_ns < to_ns ? iv->end_ns : to_ns;
-        if (b > a)
-            busy += b - a;
+        uint64_t a = iv->start_ns > base ? iv->start_ns : base;
+        uint64_t b = iv->end_ns < last_end_ns ? iv->end_ns : last_end_ns;
+        while (a < b) {
+            uint64_t i = (a - base) / period_ns;
+            uint64_t period_end = base + (i + 1) * period_ns;
+            uint64_t upto = b < period_end ? b : period_end;
+            out[i] += upto - a;
+            a = upto;
+        }
     }
-    return busy;
+}
+
+uint64_t sim_log_since_locked(int dev)
+{
+    const struct sim_device *d = &g_state->devices[dev];
+    if (d->log_count <= SIM_LOG_LEN)
+        return 0;
+    return d->log[d->log_count % SIM_LOG_LEN].start_ns;
+}
+
+uint32_t sim_drawn_bias_milli(int slot, int32_t pid)
+{
+    uint64_t h = sim_hash(((uint64_t)(uint32_t)pid << 16) ^ (uint64_t)slot ^ 0xb1a5ULL);
+    return 700 + (uint32_t)(h % 701);
 }
 
 /* ---------- attach ---------- */
 
+/* The engine settings asked for by this process's environment. */
+struct engine_env {
+    uint32_t sched;
+    uint64_t timeslice_ns;
+    uint64_t switch_ns;
+    int sched_given, timeslice_given, switch_given;
+};
+
+static int env_given(const char *name)
+{
+    const char *v = getenv(name);
+    return v && *v;
+}
+
+static void read_engine_env(struct engine_env *env)
+{
+    const char *sched = getenv("SIMGPU_SCHED");
+    env->sched = SIM_SCHED_TIMESLICE;
+    env->sched_given = 0;
+    if (sched && strcmp(sched, "fifo") == 0) {
+        env->sched = SIM_SCHED_FIFO;
+        env->sched_given = 1;
+    } else if (sched && strcmp(sched, "timeslice") == 0) {
+        env->sched_given = 1;
+    } else if (sched && *sched) {
+        fprintf(stderr, "simgpu: SIMGPU_SCHED=%s is neither fifo nor timeslice; using timeslice\n",
+                sched);
+    }
+    env->timeslice_ns = sim_env_u64("SIMGPU_TIMESLICE_US", SIM_DEFAULT_TIMESLICE_US) * 1000;
+    if (env->timeslice_ns == 0)
+        env->timeslice_ns = 1000; /* the engine needs slices that advance time */
+    env->timeslice_given = env_given("SIMGPU_TIMESLICE_US");
+    env->switch_ns = sim_env_u64("SIMGPU_CTX_SWITCH_US", SIM_DEFAULT_CTX_SWITCH_US) * 1000;
+    env->switch_given = env_given("SIMGPU_CTX_SWITCH_US");
+}
+
+static int engine_differs(const struct sim_state *s, const struct engine_env *env)
+{
+    return (env->sched_given && env->sched != s->sched) ||
+           (env->timeslice_given && env->timeslice_ns != s->timeslice_ns) ||
+           (env->switch_given && env->switch_ns != s->switch_ns);
+}
+
 static void build_state(struct sim_state *s, const struct sim_device_spec *specs, int n,
-                        const char *spec_text)
+                        const char *spec_text, const struct engine_env *env)
 {
     memset(s, 0, sizeof(*s));
     s->layout_version = SIM_LAYOUT_VERSION;
     s->device_count = (uint32_t)n;
     s->context_mem = sim_env_u64("SIMGPU_CONTEXT_MEM", SIM_DEFAULT_CONTEXT_MEM);
     snprintf(s->devices_spec, sizeof(s->devices_spec), "%s", spec_text);
+    s->sched = env->sched;
+    s->timeslice_ns = env->timeslice_ns;
+    s->switch_ns = env->switch_ns;
     for (int i = 0; i < n; i++) {
         snprintf(s->devices[i].name, SIM_NAME_LEN, "%s", specs[i].name);
         snprintf(s->devices[i].uuid, SIM_UUID_LEN, "%s", specs[i].uuid);
         s->devices[i].total_bytes = specs[i].total_bytes;
+        s->devices[i].engine.run = -1;
+        s->devices[i].engine.last = -1;
     }
     __atomic_store_n(&s->magic, SIM_MAGIC, __ATOMIC_RELEASE);
 }
@@ -457,6 +816,8 @@ int sim_attach(void)
         pthread_mutex_unlock(&g_attach);
         return -1;
     }
+    struct engine_env engine;
+    read_engine_env(&engine);
     if (!path || !*path)
         path = SIM_DEFAULT_STATE;
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
@@ -488,7 +849,7 @@ int sim_attach(void)
     }
     g_state = map;
     if (g_state->magic != SIM_MAGIC || g_state->layout_version != SIM_LAYOUT_VERSION) {
-        build_state(g_state, specs, n, spec_text);
+        build_state(g_state, specs, n, spec_text, &engine);
     } else {
         /* Settings given explicitly that differ from the state's: rebuild it
          * when no process uses it, else keep it and say so. */
@@ -496,13 +857,18 @@ int sim_attach(void)
         int devices_differ = env_spec && *env_spec && strcmp(g_state->devices_spec, env_spec) != 0;
         int ctx_differs = ctx_env && *ctx_env &&
                           sim_env_u64("SIMGPU_CONTEXT_MEM", g_state->context_mem) != g_state->context_mem;
-        if ((devices_differ || ctx_differs) && !any_live_locked())
-            build_state(g_state, specs, n, spec_text);
-        else if (devices_differ || ctx_differs)
+        int differs = devices_differ || ctx_differs || engine_differs(g_state, &engine);
+        if (differs && !any_live_locked())
+            build_state(g_state, specs, n, spec_text, &engine);
+        else if (differs)
             fprintf(stderr,
-                    "simgpu: %s is in use with SIMGPU_DEVICES='%s' SIMGPU_CONTEXT_MEM=%llu; "
+                    "simgpu: %s is in use with SIMGPU_DEVICES='%s' SIMGPU_CONTEXT_MEM=%llu "
+                    "SIMGPU_SCHED=%s SIMGPU_TIMESLICE_US=%llu SIMGPU_CTX_SWITCH_US=%llu; "
                     "keeping them until its processes exit\n",
-                    path, g_state->devices_spec, (unsigned long long)g_state->context_mem);
+                    path, g_state->devices_spec, (unsigned long long)g_state->context_mem,
+                    g_state->sched == SIM_SCHED_FIFO ? "fifo" : "timeslice",
+                    (unsigned long long)(g_state->timeslice_ns / 1000),
+                    (unsigned long long)(g_state->switch_ns / 1000));
     }
     sim_unlock();
     pthread_mutex_unlock(&g_attach);

@@ -54,6 +54,73 @@ PREAMBLE = textwrap.dedent(
 
     def out(value):
         print(json.dumps(value), flush=True)
+
+    def kernel(us):
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        ok(cu.cuModuleLoadData(ctypes.byref(mod), b"simgpu"), "cuModuleLoadData")
+        ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, f"sleep_{us}".encode()),
+           "cuModuleGetFunction")
+        return fn
+
+    def launch(fn, stream=None):
+        ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, None, None), "cuLaunchKernel")
+
+    def record(stream=None):
+        e = ctypes.c_void_p()
+        ok(cu.cuEventCreate(ctypes.byref(e), 0), "cuEventCreate")
+        ok(cu.cuEventRecord(e, stream), "cuEventRecord")
+        return e
+
+    def elapsed_ms(a, b):
+        ms = ctypes.c_float()
+        ok(cu.cuEventElapsedTime(ctypes.byref(ms), a, b), "cuEventElapsedTime")
+        return ms.value
+
+    # Run work(role, barrier) in a forked child (role 0) and here (role 1), each
+    # its own simgpu process (it forks before cuInit); barrier() meets the
+    # other. Returns [the child's result, this one's].
+    def duo(work):
+        import tempfile
+        up_r, up_w = os.pipe()
+        down_r, down_w = os.pipe()
+        fd, result_file = tempfile.mkstemp(prefix="simgpu-duo-")
+        os.close(fd)
+        pid = os.fork()
+        role = 0 if pid == 0 else 1
+        for fd in ((up_r, down_w) if role == 0 else (up_w, down_r)):
+            os.close(fd)
+
+        def barrier():
+            if role == 0:
+                os.write(up_w, b"r")
+                if os.read(down_r, 1) != b"g":
+                    os._exit(3)
+            else:
+                if os.read(up_r, 1) != b"r":
+                    raise SystemExit("duo: the child died")
+                os.write(down_w, b"g")
+
+        if role == 0:
+            rc = 1
+            try:
+                with open(result_file, "w") as f:
+                    json.dump(work(0, barrier), f)
+                rc = 0
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        mine = work(1, barrier)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise SystemExit(f"duo: the child failed ({status})")
+        with open(result_file) as f:
+            theirs = json.load(f)
+        os.unlink(result_file)
+        return [theirs, mine]
     """
 )
 
