@@ -12,6 +12,7 @@ signal it raises itself).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -38,10 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os._exit(127)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(child, signum)
-        except ProcessLookupError:
-            pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -112,12 +112,13 @@ def process_info(pid: int, proc: str = PROC) -> ProcessInfo | None:
                        gid=gid, cgroups=cgroups, cap_bounding=bounding, state=state)
 
 
-def owner_of(pid: int, proc: str = PROC) -> Owner | None:
-    """The identity of the container whose init is host pid `pid`."""
+def owner_of(pid: int, proc: str = PROC, *, cgroups: bool = True) -> Owner | None:
+    """The identity of the container whose init is host pid `pid` (its pid
+    namespace, and its cgroups unless the caller knows they are not its own)."""
     info = process_info(pid, proc)
     if info is None:
         return None
-    return Owner(pidns=info.pidns, cgroups=dict(info.cgroups), pid=pid,
+    return Owner(pidns=info.pidns, cgroups=dict(info.cgroups) if cgroups else {}, pid=pid,
                  start_time=info.start_time)
 
 
@@ -126,13 +127,17 @@ def host_pidns(proc: str = PROC) -> int:
     return os.stat(f"{proc}/self/ns/pid").st_ino
 
 
-def host_cgroups(proc: str = PROC) -> dict[str, str]:
-    """The cgroups of pid 1 as the reader sees them: paths that identify nothing."""
-    try:
-        with open(f"{proc}/1/cgroup") as handle:
-            return parse_cgroups(handle.read())
-    except OSError:
-        return {}
+def host_cgroups(proc: str = PROC) -> dict[str, set[str]]:
+    """The cgroups of pid 1 and of the reader: paths that identify nothing."""
+    found: dict[str, set[str]] = {}
+    for pid in ("1", "self"):
+        try:
+            with open(f"{proc}/{pid}/cgroup") as handle:
+                for key, path in parse_cgroups(handle.read()).items():
+                    found.setdefault(key, set()).add(path)
+        except OSError:
+            continue
+    return found
 
 
 def pidns_ancestors(pid: int, proc: str = PROC, limit: int = 32) -> list[int]:
@@ -158,10 +163,11 @@ def pidns_ancestors(pid: int, proc: str = PROC, limit: int = 32) -> list[int]:
 
 @dataclass(frozen=True)
 class Host:
-    """What identifies nothing: the reader's pid namespace and pid 1's cgroups."""
+    """What identifies nothing: the reader's pid namespace, and the cgroups of
+    pid 1 and of the reader."""
 
     pidns: int
-    cgroups: Mapping[str, str]
+    cgroups: Mapping[str, Set[str]]
 
     @classmethod
     def read(cls, proc: str = PROC) -> Host:
@@ -180,8 +186,8 @@ def belongs(info: ProcessInfo, owner: Owner, host: Host, proc: str = PROC) -> bo
         if info.pidns != host.pidns and owner.pidns in pidns_ancestors(info.pid, proc):
             return True
     for key, top in owner.cgroups.items():
-        if top in ("", "/") or host.cgroups.get(key) == top:
-            continue  # the host's own cgroup names nothing
+        if top in ("", "/") or top in host.cgroups.get(key, ()):
+            continue  # the host's own cgroups name nothing
         path = info.cgroups.get(key)
         if path is not None and _under(path, top):
             return True

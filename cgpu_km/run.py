@@ -238,8 +238,9 @@ def run_child(command: list[str], env: dict[str, str], region: Path | None = Non
     except OSError as error:
         raise RunError(f"cannot run {command[0]}: {error.strerror or error}") from None
     job = job_pid(child, bool(prefix))
-    if region is not None:
-        owner = kernelview.owner_of(job)
+    if region is not None and prefix:
+        # Its pid namespace only: its cgroups are whoever started cgpu-run's.
+        owner = kernelview.owner_of(job, cgroups=False)
         if owner is not None:
             with contextlib.suppress(OSError):
                 kernelview.write_owner(region, owner)

@@ -90,6 +90,19 @@ void cgpu_watch(int g)
     pthread_once(&watch_once, start_watcher);
 }
 
+/* At exit the process's work goes with it: nothing more to answer for (a
+ * process that is killed is found gone by the daemon instead). */
+__attribute__((destructor)) static void watch_exit(void)
+{
+    struct cgpu_proc *me = cgpu_slot_ptr;
+    if (me == NULL)
+        return;
+    for (int g = 0; g < CGPU_MAX_GPUS; g++) {
+        if (__atomic_exchange_n(&me->gpu[g].watching, 0, __ATOMIC_SEQ_CST))
+            cgpu_ring(g);
+    }
+}
+
 /* In a forked child: no thread survives, and nothing is queued yet. */
 void cgpu_watch_after_fork(void)
 {

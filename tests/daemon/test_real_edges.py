@@ -1,4 +1,5 @@
-"""The daemon's real edges: the FUSE tree with inotify (changes act at once) and the regions."""
+"""The daemon's real edges: the FUSE tree with inotify (changes act at once), the regions
+driven by a dispatcher thread, stopping a process, NVML's memory."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from cgpu_km import futex, treefs
 from cgpu_km import region as region_mod
-from cgpu_km import treefs
+from cgpu_km.backstop import Nvml, stop_process
 from cgpu_km.daemon import Daemon, Settings
 from cgpu_km.daemon_io import Change, FsTree, InotifyWatcher
 from cgpu_km.daemon_plane import RegionPlane
-from cgpu_km.daemon_sim import SimPlane
-from cgpu_km.sched import Policy
-from cgpu_km.sched_sim import SimProcess
+from cgpu_km.sched import ContainerSpec, GpuConfig, Policy
+from tests.daemon.fakes import FakePlane
 
 
 def echo(root: Path, relpath: str, value: object) -> None:
@@ -39,25 +40,25 @@ async def wait_until(predicate: Callable[[], bool]) -> float:
 async def test_echo_acts_within_a_period_through_inotify(
     control_tree: Path, tmp_path: Path
 ) -> None:
-    treefs.inst_ctl(control_tree, "add 0 a weight=1")
-    plane = SimPlane(time.monotonic, {0: [SimProcess("a", 0.001)]})
+    treefs.inst_ctl(control_tree, "add 0 a weight=1 memsize=4096")
+    plane = FakePlane()
     settings = Settings(period=0.05, tree_refresh=60, full_refresh=60)
     daemon = Daemon(FsTree(control_tree), plane, state_dir=tmp_path, settings=settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
         assert daemon.watcher is not None
-        scheduler = daemon.gpus[0].scheduler
         await trio.to_thread.run_sync(echo, control_tree, "0/policy", 2)
-        took = await wait_until(lambda: scheduler.config.policy is Policy.WEIGHTED)
+        took = await wait_until(lambda: plane.configs[0].policy is Policy.WEIGHTED)
         assert took < 0.5  # not the 60 s poll; on a quiet host, a few ms
         await trio.to_thread.run_sync(echo, control_tree, "0/a/weight", 5)
-        await wait_until(lambda: scheduler.config.containers["a"].weight == 5)
+        await wait_until(lambda: plane.configs[0].containers["a"].weight == 5)
+        await trio.to_thread.run_sync(echo, control_tree, "0/a/memsize", 2048)
+        await wait_until(lambda: plane.limits[0, "a"] == 2048)
         await trio.to_thread.run_sync(treefs.inst_ctl, control_tree, "add 1 b highprio=1")
-        await wait_until(lambda: 1 in daemon.gpus and "b" in daemon.gpus[1].scheduler.config
-                         .containers)
-        assert daemon.gpus[1].scheduler.config.containers["b"].highprio
+        await wait_until(lambda: 1 in plane.configs and "b" in plane.configs[1].containers)
+        assert plane.configs[1].containers["b"].highprio
         await trio.to_thread.run_sync(treefs.inst_ctl, control_tree, "del b")
-        await wait_until(lambda: "b" not in daemon.gpus[1].scheduler.config.containers)
+        await wait_until(lambda: "b" not in plane.configs[1].containers)
         nursery.cancel_scope.cancel()
 
 
@@ -79,33 +80,47 @@ def test_watcher_names_what_was_written(control_tree: Path) -> None:
         watcher.close()
 
 
-def test_region_plane_drives_gates_and_heartbeat(tmp_path: Path) -> None:
+def test_region_plane_dispatches_on_real_regions(tmp_path: Path) -> None:
+    """A dispatcher thread per GPU: heartbeat, a grant to the one that waits
+    (as libcgpu says it does), live limits, gates open when the plane closes."""
     for name, host in (("a", 0), ("b", 1)):
         region_mod.Region.create(region_mod.region_path(name, tmp_path), name,
                                  [region_mod.GpuSpec(0, "", host, 0)]).close()
     plane = RegionPlane(tmp_path, nvml=None)
     plane.attach({0: {"a", "missing"}, 1: {"b"}})
-    assert set(plane.keys) == {(0, "a"), (1, "b")}
-    plane.set_gates(0, set())
-    plane.heartbeat()
+    assert plane.missing() == {"missing", "a", "b"}, "no identity recorded yet either"
+    one = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": ContainerSpec(1)})
+    plane.schedule(0, one, None)
+    try:
+        with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+            deadline = time.monotonic() + 5
+            while a.heartbeat_ns < time.monotonic_ns() - 500_000_000:
+                assert time.monotonic() < deadline, "no heartbeat"
+                time.sleep(0.01)
+            assert not a.gate_is_open(0), "nobody waits: nobody is granted"
+            slot = a._account.proc[0]  # a process waits at the gate, as libcgpu writes it
+            slot.state, slot.pid, a._account.slots_used = region_mod.SLOT_LIVE, 1, 1
+            slot.gpu[0].pending = 1
+            a._account.doorbell[0] += 1
+            futex.wake_all(a.doorbell_address(0))
+            while not a.gate_is_open(0):
+                assert time.monotonic() < deadline, "the waiting container was not granted"
+                time.sleep(0.001)
+            plane.set_limit((0, "a"), 12345)
+            assert a.limit(0) == 12345
+            assert plane.figures()[0].holder == "a"
+            assert plane.ticking(within=1.0)
+    finally:
+        plane.close()
     with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
-        assert not a.gate_is_open(0)
-        assert a.heartbeat_ns > 0
-        plane.set_gates(0, {"a"})
-        assert a.gate_is_open(0)
-        plane.set_gates(0, set())
-        plane.open_all()
-        assert a.gate_is_open(0)
-    sample = plane.sample()
-    assert sample.active == set()  # no process has launched anything
-    # A replaced region file (container restarted) is reopened on the next attach.
+        assert a.gate_is_open(0), "fail open on the way out"
+    with region_mod.Region.open(region_mod.region_path("b", tmp_path)) as b:
+        assert b.gate_is_open(0), "also the gates no dispatcher drove"
+    # A replaced region (container restarted) is reopened on the next attach.
     region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
                              [region_mod.GpuSpec(0, "", 0, 0)]).close()
-    plane.attach({0: {"a"}})
-    plane.set_gates(0, set())
-    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
-        assert not a.gate_is_open(0)
-    assert set(plane.keys) == {(0, "a")}
+    assert plane.attach({0: {"a"}})
+    assert not plane.attach({0: {"a"}}), "nothing changed the second time"
 
 
 @pytest.mark.parametrize("control_tree", [2], indirect=True)
@@ -144,19 +159,18 @@ def plain_tree(tmp_path: Path) -> Iterator[Path]:
 async def test_plain_tree_changes_act_quickly_too(plain_tree: Path, tmp_path: Path) -> None:
     await trio.to_thread.run_sync(treefs.inst_ctl, plain_tree, "add 0 a weight=1")
     await trio.to_thread.run_sync(wait_for_file, plain_tree / "0" / "a" / "weight")
-    plane = SimPlane(time.monotonic, {0: [SimProcess("a", 0.001)]})
+    plane = FakePlane()
     settings = Settings(period=0.05, tree_refresh=60, full_refresh=60)
     daemon = Daemon(FsTree(plain_tree), plane, state_dir=tmp_path, settings=settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
-        scheduler = daemon.gpus[0].scheduler
         for value in (2, 3, 0):  # each write replaces the file: the watch must follow
             await trio.to_thread.run_sync(echo, plain_tree, "0/policy", value)
-            await wait_until(lambda v=value: scheduler.config.policy == v)  # type: ignore[misc]
+            await wait_until(lambda v=value: plane.configs[0].policy == v)  # type: ignore[misc]
         await trio.to_thread.run_sync(echo, plain_tree, "0/a/weight", 4)
-        await wait_until(lambda: scheduler.config.containers["a"].weight == 4)
+        await wait_until(lambda: plane.configs[0].containers["a"].weight == 4)
         await trio.to_thread.run_sync(treefs.inst_ctl, plain_tree, "add 0 b")
-        await wait_until(lambda: "b" in daemon.gpus[0].scheduler.config.containers)
+        await wait_until(lambda: "b" in plane.configs[0].containers)
         nursery.cancel_scope.cancel()
 
 
@@ -167,23 +181,16 @@ def wait_for_file(path: Path) -> None:
         time.sleep(0.01)
 
 
-def test_stop_processes_runs_the_oom_script_then_kills(tmp_path: Path) -> None:
-    from cgpu_km.daemon_io import stop_processes
-
+def test_a_stop_without_a_script_kills_and_a_gone_process_is_no_error() -> None:
     victim = subprocess.Popen(["sleep", "60"])
-    script = tmp_path / "oom.sh"
-    seen = tmp_path / "seen"
-    script.write_text(f'#!/bin/sh\necho "$1 $CGPU_OOM_PID" > {seen}\n')
-    script.chmod(0o755)
     try:
-        stop_processes([victim.pid], oom_script=str(script))
+        stop_process(victim.pid)
         assert victim.wait(timeout=5) == -9
-        assert seen.read_text().split() == [str(victim.pid)] * 2
     finally:
         if victim.poll() is None:
             victim.kill()
             victim.wait()
-    stop_processes([victim.pid], oom_script="")  # already gone: nothing to do, no error
+    stop_process(victim.pid)  # already gone: nothing to do, no error
 
 
 def test_hot_update_keeps_the_pid_and_writes_zero(control_tree: Path, tmp_path: Path) -> None:
@@ -215,20 +222,10 @@ def test_hot_update_keeps_the_pid_and_writes_zero(control_tree: Path, tmp_path: 
 
 
 class FakeNvml:
-    """Just enough of pynvml for `Nvml.busy_by_pid` and `memory_by_pid`."""
+    """Just enough of pynvml for `Nvml.memory_by_pid`."""
 
     class NVMLError(Exception):
         pass
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-        self.replies: list[list[tuple[int, int, int]]] = []  # (pid, timeStamp us, smUtil)
-
-    def nvmlDeviceGetProcessUtilization(self, handle: object, last: int) -> list[object]:
-        self.calls.append(last)
-        if not self.replies:
-            raise self.NVMLError("not found")
-        return [SimpleNamespace(pid=p, timeStamp=t, smUtil=u) for p, t, u in self.replies.pop(0)]
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[object]:
         return [SimpleNamespace(pid=7, usedGpuMemory=100), SimpleNamespace(pid=8,
@@ -238,23 +235,9 @@ class FakeNvml:
         raise self.NVMLError("not supported")
 
 
-def test_nvml_usage_is_integrated_over_each_window() -> None:
-    from cgpu_km.daemon_plane import Nvml
-
-    fake = FakeNvml()
+def test_nvml_memory_failures_are_unknowns() -> None:
     nvml = Nvml.__new__(Nvml)
-    nvml.nvml, nvml.handles = fake, {0: object()}
-    nvml._last_seen, nvml._busy, nvml._stamp = {}, {}, {}
-    fake.replies = [
-        [(7, 1_000_000, 90)],  # the first answer covers an unknown window: a baseline
-        [(7, 1_100_000, 50), (8, 1_100_000, 25)],  # 100 ms: 50 ms and 25 ms
-        [(7, 1_300_000, 100)],  # 200 ms more for 7; 8 did not run
-    ]
-    assert nvml.busy_by_pid() == {}
-    assert nvml.busy_by_pid() == pytest.approx({(0, 7): 0.05, (0, 8): 0.025})
-    assert nvml.busy_by_pid() == pytest.approx({(0, 7): 0.25, (0, 8): 0.025})
-    assert nvml.busy_by_pid() == pytest.approx({(0, 7): 0.25, (0, 8): 0.025})  # NVML error
-    assert fake.calls == [0, 1_000_000, 1_100_000, 1_300_000]
+    nvml.nvml, nvml.handles = FakeNvml(), {0: object()}
     procs, used = nvml.memory_by_pid()
     assert procs == {(0, 7): 100, (0, 8): 0}
     assert used == {}  # the failing field is unknown, not an error

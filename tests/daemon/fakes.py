@@ -1,0 +1,166 @@
+"""In-memory stand-ins for the daemon's edges: a control tree and a data plane.
+
+`MemoryTree` holds a tree in memory with the daemon-facing operations of
+`cgpu_km.daemon_io.Tree`; `FakePlane` records what the daemon asks of the
+data plane (configurations, limits, stops) and returns the memory figures a
+test sets. Nothing here touches the system; trio's mock clock works.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from cgpu_km.backstop import ContainerMemory, MemoryView
+from cgpu_km.daemon_io import ContainerNodes, GpuNodes, Key, QuickView
+from cgpu_km.dispatch import Figures
+from cgpu_km.sched import GpuConfig
+from cgpu_km.treefs import ContainerView, GpuView
+
+
+@dataclass
+class MemoryTree:
+    """A control tree in memory: edit `gpus` directly, as an operator's `echo` would."""
+
+    gpus: list[GpuView] = field(default_factory=list)
+    upgrade: int = 0
+    fail: bool = False  # reads raise OSError (tree unmounted)
+    meminfo_writes: list[tuple[int, str, dict[int, int]]] = field(default_factory=list)
+    reads: int = 0
+
+    @classmethod
+    def with_gpus(cls, count: int, policy: int = 1, max_inst: int = 16) -> MemoryTree:
+        return cls([GpuView(i, policy, max_inst, 80, max_inst, 0) for i in range(count)])
+
+    def add(self, gpu: int, name: str, weight: int = 1, *, memsize: int = 0,
+            highprio: int = 0, util_limit: int = 0) -> ContainerView:
+        ids = [c.id for g in self.gpus for c in g.containers.values()]
+        view = ContainerView(name, max(ids, default=0) + 1, memsize, weight, highprio,
+                             util_limit, memsize)
+        self.gpus[gpu].containers[name] = view
+        return view
+
+    def _check(self) -> None:
+        if self.fail:
+            raise OSError(107, "Transport endpoint is not connected")
+
+    def read_container(self, gpu: int, name: str) -> ContainerNodes:
+        self._check()
+        self.reads += 1
+        found = self.gpus[gpu].containers.get(name)
+        if found is None:
+            raise FileNotFoundError(2, f"no container {name} on GPU {gpu}")
+        return ContainerNodes(found.id, found.memsize, found.weight, found.highprio,
+                              found.util_limit)
+
+    def read_names(self) -> dict[int, frozenset[str]]:
+        self._check()
+        return {g.index: frozenset(g.containers) for g in self.gpus}
+
+    def read_quick(self, version: bool = False) -> QuickView:
+        self._check()
+        self.reads += 1
+        return QuickView(
+            version="0.1.0" if version else "",
+            upgrade=self.upgrade,
+            gpus={
+                g.index: GpuNodes(g.policy, g.max_inst, g.prio_ratio, frozenset(g.containers))
+                for g in self.gpus
+            },
+        )
+
+    def feed_meminfo(self, gpu: int, name: str, procs: Mapping[int, int]) -> None:
+        self._check()
+        if name not in self.gpus[gpu].containers:
+            raise FileNotFoundError(2, "No such container")
+        self.gpus[gpu].containers[name].procs = dict(procs)
+        self.meminfo_writes.append((gpu, name, dict(procs)))
+
+    def finish_upgrade(self) -> None:
+        self._check()
+        self.upgrade = 0
+
+    def watcher(self) -> None:
+        return None
+
+
+
+class FakePlane:
+    """What the daemon asked of the data plane, and the memory a test says there is."""
+
+    def __init__(self) -> None:
+        self.attached: dict[int, set[str]] = {}
+        self.configs: dict[int, GpuConfig] = {}
+        self.restored: dict[int, Mapping[str, Any]] = {}
+        self.limits: dict[Key, int] = {}
+        self.memory_by: dict[Key, dict[int, int]] = {}
+        self.unmanaged: dict[Key, set[int]] = {}
+        self.egpu_keys: set[Key] = set()
+        self.stopped: list[tuple[Key, int]] = []
+        self.stop_seconds = 0.0  # a slow stop (an OOM script), in real time
+        self.stuck = False  # dispatchers stopped stepping
+        self.closed = False
+        self.used: dict[int, dict[str, float]] = {}
+        self.missing_names: set[str] = set()
+        self.reclaims = 0
+        self._lock = threading.Lock()
+
+    def attach(self, containers: Mapping[int, Set[str]]) -> bool:
+        self.attached = {gpu: set(names) for gpu, names in containers.items()}
+        return True
+
+    def missing(self) -> set[str]:
+        return set(self.missing_names)
+
+    def schedule(self, gpu: int, config: GpuConfig, state: Mapping[str, Any] | None) -> None:
+        self.configs[gpu] = config
+        if state is not None:
+            self.restored[gpu] = state
+
+    def forget_gpu(self, gpu: int) -> None:
+        self.configs.pop(gpu, None)
+
+    def set_limit(self, key: Key, limit: int) -> None:
+        self.limits[key] = limit
+
+    def egpu(self, key: Key) -> bool:
+        return key in self.egpu_keys
+
+    def figures(self) -> dict[int, Figures]:
+        return {gpu: Figures(used=self.used.get(gpu, {}),
+                             shares={n: Fraction(1, len(c.containers) or 1)
+                                     for n in c.containers},
+                             holder=None, steps=1,
+                             last_step=0.0 if self.stuck else time.monotonic())
+                for gpu, c in self.configs.items()}
+
+    def scheduler_state(self, gpu: int) -> dict[str, Any]:
+        return {"accounts": {n: {"credit": 0.5, "cap_credit": 0.0, "used": 1.0}
+                             for n in self.configs[gpu].containers}}
+
+    def ticking(self, within: float) -> bool:
+        return not self.stuck
+
+    def memory(self) -> MemoryView:
+        with self._lock:
+            return MemoryView(by_container={
+                key: ContainerMemory(dict(procs), frozenset(self.unmanaged.get(key, set())))
+                for key, procs in self.memory_by.items()})
+
+    def reclaim(self) -> int:
+        self.reclaims += 1
+        return 0
+
+    def stop(self, key: Key, pid: int) -> None:
+        if self.stop_seconds:
+            time.sleep(self.stop_seconds)
+        with self._lock:
+            self.stopped.append((key, pid))
+            self.memory_by.get(key, {}).pop(pid, None)
+
+    def close(self) -> None:
+        self.closed = True

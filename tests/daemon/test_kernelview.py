@@ -1,0 +1,131 @@
+"""Which container a process belongs to, as the kernel says; the backstop's decisions."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cgpu_km import kernelview
+from cgpu_km.backstop import Grandfather, over_limit
+from cgpu_km.kernelview import Host, Owner, ProcessInfo
+
+HOST = Host(pidns=100, cgroups={"0::": {"/"}, "4:memory": {"/", "/daemon"}})
+
+
+def info(pidns: int = 100, cgroups: dict[str, str] | None = None) -> ProcessInfo:
+    return ProcessInfo(pid=42, pidns=pidns, inner_pid=7, start_time=1, uid=0, gid=0,
+                       cgroups=cgroups if cgroups is not None else {"0::": "/"})
+
+
+def test_a_container_is_its_pid_namespace_or_its_cgroup() -> None:
+    owner = Owner(pidns=200, cgroups={"0::": "/docker/abc", "4:memory": "/docker/abc"})
+    assert kernelview.belongs(info(pidns=200), owner, HOST)
+    assert kernelview.belongs(info(cgroups={"0::": "/docker/abc/sub"}), owner, HOST)
+    assert not kernelview.belongs(info(cgroups={"0::": "/docker/abcd"}), owner, HOST)
+    assert not kernelview.belongs(info(), owner, HOST)
+
+
+def test_the_hosts_namespace_and_cgroups_identify_nothing() -> None:
+    like_host = Owner(pidns=100, cgroups={"0::": "/", "4:memory": "/daemon"})
+    assert not kernelview.belongs(info(), like_host, HOST)
+    assert not kernelview.belongs(info(pidns=300), like_host, HOST)
+    assert not kernelview.belongs(info(cgroups={"4:memory": "/daemon"}), like_host, HOST)
+
+
+def test_owner_round_trips_and_bad_files_are_none(tmp_path: Path) -> None:
+    owner = Owner(pidns=5, cgroups={"0::": "/a"}, pid=9, start_time=11)
+    kernelview.write_owner(tmp_path, owner)
+    assert kernelview.read_owner(tmp_path) == owner
+    assert (tmp_path / kernelview.OWNER_NAME).stat().st_mode & 0o777 == 0o600
+    for text in ("", "[]", '{"pidns": "x"}', '{"pidns": 1, "cgroups": {"a": 1}}'):
+        (tmp_path / kernelview.OWNER_NAME).write_text(text)
+        assert kernelview.read_owner(tmp_path) is None, text
+
+
+@given(st.text(max_size=200))
+def test_parsers_never_raise_on_odd_cgroup_files(text: str) -> None:
+    for key, path in kernelview.parse_cgroups(text).items():
+        assert ":" in key
+        assert isinstance(path, str)
+
+
+def test_process_info_of_this_process() -> None:
+    me = kernelview.process_info(os.getpid())
+    assert me is not None
+    assert me.pidns == os.stat("/proc/self/ns/pid").st_ino
+    assert me.inner_pid == os.getpid()
+    assert me.uid == os.getuid()
+    assert kernelview.process_info(2**22 + 12345) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a pid namespace of its own needs root and unshare")
+def test_a_process_in_a_pid_namespace_and_its_children_belong_to_it() -> None:
+    job = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--",
+                            "sh", "-c", "sleep 30 & sleep 30"])
+    try:
+        deadline = time.monotonic() + 5
+        children: list[int] = []
+        while len(children) < 1 and time.monotonic() < deadline:
+            text = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text()
+            children = [int(p) for p in text.split()]
+            time.sleep(0.01)
+        init = children[0]
+        owner = kernelview.owner_of(init)
+        assert owner is not None
+        host = Host.read()
+        assert owner.pidns != host.pidns
+        grandchildren = []
+        while not grandchildren and time.monotonic() < deadline:
+            grandchildren = [int(p) for p in
+                             Path(f"/proc/{init}/task/{init}/children").read_text().split()]
+            time.sleep(0.01)
+        inside = kernelview.process_info(grandchildren[0])
+        assert inside is not None
+        assert kernelview.belongs(inside, owner, host)
+        outside = kernelview.process_info(os.getpid())
+        assert outside is not None
+        assert not kernelview.belongs(outside, owner, host)
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_over_limit_picks_largest_first_and_ignores_unlimited() -> None:
+    assert over_limit({1: 5, 2: 7, 3: 1}, 6) == [2]
+    assert over_limit({1: 5, 2: 7, 3: 1}, 2) == [2, 1]
+    assert over_limit({1: 5}, 5) == []
+    assert over_limit({1: 5}, 0) == []
+
+
+def test_a_lowered_limit_grandfathers_what_was_held_until_it_fits() -> None:
+    gf = Grandfather()
+    key = (0, "a")
+    assert gf.limit(key, 1000, 900, lowered=False) == 1000
+    assert gf.limit(key, 500, 900, lowered=True) == 900, "what it held stays"
+    assert gf.limit(key, 500, 950, lowered=False) == 900, "but it may not grow"
+    assert gf.limit(key, 500, 400, lowered=False) == 500, "under the new limit: it holds"
+    assert gf.limit(key, 500, 900, lowered=False) == 500
+    gf.forget(set())
+
+
+@given(limit=st.integers(1, 10**6), usage=st.integers(0, 10**6))
+def test_grandfathered_limit_is_never_below_the_limit(limit: int, usage: int) -> None:
+    got = Grandfather().limit((0, "a"), limit, usage, lowered=True)
+    assert got >= limit
+    assert got == max(limit, usage)
+
+
+def test_nsexec_refuses_a_process_that_is_gone() -> None:
+    result = subprocess.run([sys.executable, "-m", "cgpu_km.nsexec", "--pid", "999999999",
+                             "--", "true"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 125
+    assert "cannot enter the container of pid 999999999" in result.stderr
