@@ -266,8 +266,9 @@ def render_text(view: View) -> str:
         left=(1,))
     lines += ["", "Processes:"]
     lines += render_table(
-        ["GPU", "Container", "PID", "GPU Memory"],
-        [[str(c.gpu), c.name, str(p.pid), _mib(p.memory_bytes)]
+        ["GPU", "Container", "PID", "GPU Memory", "libcgpu"],
+        [[str(c.gpu), c.name, str(p.pid), _mib(p.memory_bytes),
+          "yes" if p.managed else "BYPASSED"]
          for c in containers for p in c.processes],
         left=(1,))
     return "\n".join(lines) + "\n"
