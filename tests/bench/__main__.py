@@ -20,6 +20,7 @@ what libcgpu adds to launches and allocations (libcgpu).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -56,6 +57,12 @@ SWITCH_TARGET = 0.95
 CAP_TARGET = 0.02
 
 
+def work(name: str, us: int, procs: int = 1, *, weight: int) -> Workload:
+    """A container whose processes each keep max(2, 1 ms of kernels) launches outstanding:
+    with 2 of 50 us, a process waking late on a small host leaves its own stream idle."""
+    return Workload(name, us, procs, weight=weight, depth=max(2, math.ceil(1000 / us)))
+
+
 def label(us: int) -> str:
     return f"{us / 1000:g} ms" if us >= 1000 else f"{us} us"
 
@@ -89,14 +96,14 @@ class Engine:
 
     def solo_rate(self, us: int) -> float:
         if us not in self.solo:
-            got = self.run(2, [Workload("solo", us, weight=1)])
+            got = self.run(2, [work("solo", us, weight=1)])
             self.solo[us] = steady_rate(got["solo"], self.seconds)
         return self.solo[us]
 
     def pair(self, policy: int, us: int, procs: int, weights: tuple[int, int],
              target: float) -> Summary:
-        got = self.run(policy, [Workload("c1", us, procs, weight=weights[0]),
-                                Workload("c2", us, procs, weight=weights[1])])
+        got = self.run(policy, [work("c1", us, procs, weight=weights[0]),
+                                work("c2", us, procs, weight=weights[1])])
         return summarize(got["c1"], got["c2"], self.seconds, target)
 
 
@@ -157,7 +164,7 @@ def caps(engine: Engine) -> None:
     for us in KERNELS_US:
         alone = engine.solo_rate(us)
         for policy, weight, max_inst in ((0, 1, 4), (3, 3, 8)):
-            got = engine.run(policy, [Workload("capped", us, weight=weight)], max_inst)
+            got = engine.run(policy, [work("capped", us, weight=weight)], max_inst)
             share = steady_rate(got["capped"], engine.seconds) / alone
             target = weight / max_inst
             case = (f"policy 0, max_inst {max_inst}" if policy == 0
@@ -191,7 +198,8 @@ def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool) -> N
         try:
             host.start_daemon(PERIOD)
             print(f"(daemon period {PERIOD * 1000:g} ms; each container a cgpu-run job of "
-                  f"sharework processes keeping 2 launches each outstanding)\n")
+                  f"sharework processes, each keeping max(2, 1 ms of kernels) launches "
+                  f"outstanding)\n")
             totals = share_table(engine, procs_list) if "shares" in parts else {}
             if "switch" in parts:
                 switching(engine, totals)
