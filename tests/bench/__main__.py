@@ -132,7 +132,7 @@ def share_table(engine: Engine, procs_list: Sequence[int]) -> dict[int, float]:
                   f"{s.whole[1] / max(s.whole[0], 1):>6.3f} {100 * s.whole_error:>+6.2f}% | "
                   f"{s.steady[1] / max(s.steady[0], 1):>6.3f} {100 * s.steady_error:>+6.2f}% | "
                   f"{100 * s.worst_window_error:>+15.2f}%", flush=True)
-    for name, value, target in zip(("whole run", "steady", "worst window"), worst,
+    for name, value, target in zip(("whole run", "steady", "1 s window"), worst,
                                    (WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET), strict=True):
         print(f"worst {name} error: {100 * value:.2f}% (target: within {100 * target:g}%) "
               f"{verdict(value <= target)}")
