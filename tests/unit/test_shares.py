@@ -120,7 +120,7 @@ def test_summarize_splits_whole_steady_and_windows() -> None:
     assert s.whole_error == pytest.approx(550 / 300 / 2 - 1)
     assert len(s.windows) == 16
     assert s.worst_window_error == 0.0  # windows start at 0.5 s
-    assert s.rates() == (100.0, pytest.approx(550 / 3))
+    assert s.rates() == pytest.approx((100.0, 550 / 3))
 
 
 def test_worst_window_keeps_its_sign() -> None:
