@@ -365,16 +365,18 @@ def section_memory(cfg: Config) -> None:
                                        str(status)])
         wait_files(procs, [status / "holding.json"], 180, "memory probe")
         report = json.loads((status / "holding.json").read_text())
-        pid = int(report["pid"])
         meminfo: dict[int, int] = {}
         from_nvml: dict[int, int] = {}
         deadline = time.monotonic() + 10  # the daemon feeds meminfo every 0.5 s
         while time.monotonic() < deadline:
             meminfo = read_meminfo(cfg, name)
             from_nvml = nvml.process_memory() if nvml is not None else {}
-            if pid in meminfo and meminfo.get(pid) == from_nvml.get(pid):
+            # The probe runs in a pid namespace of its own: the daemon's meminfo
+            # names its host pid (the kernel's attribution), as NVML does.
+            if len(meminfo) == 1 and all(from_nvml.get(p) == v for p, v in meminfo.items()):
                 break
             time.sleep(0.25)
+        report["host_pid"] = next(iter(meminfo), int(report["pid"]))
         (status / "release").touch()
         status_code = procs.wait(child, 60)
     report_memory(cfg, limit, report, meminfo, from_nvml)
@@ -384,7 +386,7 @@ def section_memory(cfg: Config) -> None:
 
 def report_memory(cfg: Config, limit: int, report: dict[str, Any], meminfo: dict[int, int],
                   from_nvml: dict[int, int]) -> None:
-    pid = int(report["pid"])
+    pid = int(report["host_pid"])
     seen = report["mem_get_info"]
     inside = report["nvml_inside"]
     smi, smi_holding = report["nvidia_smi_inside"], report["nvidia_smi_holding"]
@@ -406,7 +408,8 @@ def report_memory(cfg: Config, limit: int, report: dict[str, Any], meminfo: dict
     ]
     if "torch_reserved" in report:
         rows.append(["torch memory_reserved() when holding", "", mib(report["torch_reserved"])])
-    emit(cfg, f"\n### 1. Memory: limit {mib(limit)} on GPU 0 (pid {pid})\n")
+    emit(cfg, f"\n### 1. Memory: limit {mib(limit)} on GPU 0 (pid {report['pid']} in its "
+              f"container, {pid} on the host)\n")
     emit(cfg, table(["what", "expected", "seen"], rows))
     in_meminfo, in_nvml = meminfo.get(pid), from_nvml.get(pid)
     others = {p: v for p, v in from_nvml.items() if p != pid}
