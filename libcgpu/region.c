@@ -158,7 +158,8 @@ static uint32_t slots_used(const struct cgpu_account *a)
     return n > CGPU_MAX_PROCS ? CGPU_MAX_PROCS : n;
 }
 
-int cgpu_reclaim_dead(void)
+/* Free the live slots (other than this process's) that `gone` picks. */
+static int reclaim_if(int (*gone)(const struct cgpu_proc *s, const void *arg), const void *arg)
 {
     struct cgpu_account *a = cgpu_account_ptr;
     if (a == NULL)
@@ -171,7 +172,7 @@ int cgpu_reclaim_dead(void)
             continue;
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
         uint64_t start = __atomic_load_n(&s->start_time, __ATOMIC_ACQUIRE);
-        if (slot_owner_alive(s))
+        if (!gone(s, arg))
             continue;
         uint32_t expect = CGPU_SLOT_LIVE;
         if (!__atomic_compare_exchange_n(&s->state, &expect, CGPU_SLOT_RECLAIMING, 0,
@@ -190,6 +191,27 @@ int cgpu_reclaim_dead(void)
         reclaimed++;
     }
     return reclaimed;
+}
+
+static int owner_gone(const struct cgpu_proc *s, const void *arg)
+{
+    (void)arg;
+    return !slot_owner_alive(s);
+}
+
+int cgpu_reclaim_dead(void)
+{
+    return reclaim_if(owner_gone, NULL);
+}
+
+/* A slot of this very process before it called exec (same pid, namespace and
+ * start time): its memory went with the old image. */
+static int before_exec(const struct cgpu_proc *s, const void *arg)
+{
+    const struct cgpu_proc *me = arg;
+    return __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE) == me->pid &&
+           __atomic_load_n(&s->pidns, __ATOMIC_RELAXED) == me->pidns &&
+           __atomic_load_n(&s->start_time, __ATOMIC_RELAXED) == me->start_time;
 }
 
 /* A forked child starts without a slot: the parent's belongs to the parent. */
@@ -335,6 +357,7 @@ struct cgpu_proc *cgpu_slot_claim(void)
         __atomic_store_n(&s->state, CGPU_SLOT_LIVE, __ATOMIC_RELEASE);
         __atomic_store_n(&cgpu_slot_ptr, s, __ATOMIC_RELEASE);
         mine = s;
+        reclaim_if(before_exec, s);
         break;
     }
     pthread_mutex_unlock(&claim_lock);

@@ -2,6 +2,7 @@
 
     python ctypes_workload.py OP ...
     OP: alloc N | free | info | total | launch COUNT NAME | wait (read a line from stdin)
+        | exec (run this script again, same pid, with the OPs that follow)
 
 Prints one line "OP ... rc=<CUresult>" per operation, like workload.c.
 """
@@ -9,6 +10,7 @@ Prints one line "OP ... rc=<CUresult>" per operation, like workload.c.
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import sys
 from pathlib import Path
@@ -78,6 +80,9 @@ def main(ops: list[str]) -> int:
         elif op == "wait":
             print("waiting", flush=True)
             sys.stdin.readline()
+        elif op == "exec":
+            print("exec", flush=True)
+            os.execv(sys.executable, [sys.executable, __file__, *ops[i + 1:]])
         else:
             print(f"unknown op {op}", file=sys.stderr)
             return 2

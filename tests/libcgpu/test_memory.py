@@ -187,6 +187,18 @@ def test_killed_process_frees_its_share(sandbox: Sandbox) -> None:
     assert region.usage(0) == 0
 
 
+def test_an_exec_leaves_nothing_counted_behind(sandbox: Sandbox) -> None:
+    """The same pid after exec: the old image's memory went with it, and so does
+    its slot (same pid, pid namespace and start time)."""
+    region = sandbox.make_region(8 * MiB)
+    result = sandbox.ctypes_workload("alloc", str(5 * MiB), "exec", "alloc", str(5 * MiB),
+                                     "info")
+    assert result.stdout.splitlines() == [
+        f"alloc {5 * MiB} rc=0", "exec", f"alloc {5 * MiB} rc=0",
+        f"info free={3 * MiB} total={8 * MiB} rc=0"], result.stderr
+    assert region.usage(0) == 5 * MiB
+
+
 def test_daemon_reclaims_dead_slots(sandbox: Sandbox) -> None:
     region = sandbox.make_region(4 * MiB)
     proc = sandbox.popen([str(sandbox.built.workload), "alloc", str(MiB), "hold"])
