@@ -20,7 +20,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,7 @@ class Attribution:
         self.proc = proc
         self.host = kernelview.Host.read(proc)
         self._info: dict[int, kernelview.ProcessInfo | None] = {}
+        self._host_pids: dict[tuple[int, int, int], int] = {}
 
     def info(self, pid: int) -> kernelview.ProcessInfo | None:
         cached = self._info.get(pid)
@@ -114,23 +115,47 @@ class Attribution:
                 self._info.clear()
         return fresh
 
-    def owner_of(self, pid: int, owners: Mapping[str, kernelview.Owner]) -> str | None:
+    def owner_of(self, pid: int, owners: kernelview.OwnerIndex) -> str | None:
         info = self.info(pid)
-        if info is None:
-            return None
-        for name, owner in owners.items():
-            if kernelview.belongs(info, owner, self.host, self.proc):
-                return name
-        return None
+        return owners.find(info) if info is not None else None
 
-    def slot_alive(self, pidns: int, pid: int, start_time: int,
-                   index: Mapping[tuple[int, int, int], int]) -> bool:
-        return (pidns, pid, start_time) in index
+    def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
+        """Which of these (pid namespace, pid in it, start time) run now. Each is
+        found once by a scan of /proc; then its host pid is only checked."""
+        found = set()
+        unknown = set()
+        for key in slots:
+            host_pid = self._host_pids.get(key)
+            info = kernelview.process_info(host_pid, self.proc) if host_pid else None
+            if info is not None and (info.pidns, info.inner_pid, info.start_time) == key \
+                    and info.state not in ("Z", "X"):
+                found.add(key)
+            else:
+                self._host_pids.pop(key, None)
+                unknown.add(key)
+        if unknown:
+            index = self.index({pidns for pidns, _pid, _start in unknown})
+            for key in unknown & index.keys():
+                self._host_pids[key] = index[key]
+                found.add(key)
+        if len(self._host_pids) > 4096:
+            self._host_pids.clear()
+        return found
 
-    def index(self) -> dict[tuple[int, int, int], int]:
-        """Every running process as (pid namespace, pid in it, start time) -> host pid."""
+    def host_pid(self, key: tuple[int, int, int]) -> int:
+        """The host pid `running` found for a slot's process (0: none)."""
+        return self._host_pids.get(key, 0)
+
+    def index(self, pidns: Set[int]) -> dict[tuple[int, int, int], int]:
+        """Every running process of these pid namespaces, as (pid namespace, pid
+        in it, start time) -> host pid (one stat for each of the others)."""
         found: dict[tuple[int, int, int], int] = {}
         for pid in kernelview.all_pids(self.proc):
+            try:
+                if os.stat(f"{self.proc}/{pid}/ns/pid").st_ino not in pidns:
+                    continue
+            except OSError:
+                continue
             info = kernelview.process_info(pid, self.proc)
             if info is not None and info.state not in ("Z", "X"):
                 found[info.pidns, info.inner_pid, info.start_time] = pid
@@ -147,7 +172,9 @@ def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> 
     if nvml is None:
         return MemoryView(by_container={}, gate_wait=gate_wait, oom_refusals=refusals)
     by_pid, used = nvml.memory_by_pid()
-    owners = {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None}
+    owners = kernelview.OwnerIndex(
+        {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None},
+        attribution.host, attribution.proc)
     procs: dict[Key, dict[int, int]] = {key: {} for key in keys}
     unmanaged: dict[Key, set[int]] = {key: set() for key in keys}
     stray: dict[int, dict[int, int]] = {}

@@ -137,21 +137,24 @@ class RegionPlane:
         """Slots of processes the kernel does not run (in the container the slot
         names) are freed: their pending launches and memory leave the container."""
         entries = self.registry.all()
-        if not any(entry.region.live_slots() for entry in entries):
+        views = {entry.name: entry.region.processes() for entry in entries}
+        slots = {(view.pidns, view.pid, view.start_time)
+                 for found in views.values() for view in found}
+        if not slots:
             return 0
-        index = self.attribution.index()
+        running = self.attribution.running(slots)
         host = self.attribution.host
         freed = 0
         for entry in entries:
             owner = entry.owner
 
             def alive(view: region_mod.ProcView, owner: kernelview.Owner | None = owner) -> bool:
-                pid = index.get((view.pidns, view.pid, view.start_time))
-                if pid is None:
+                key = (view.pidns, view.pid, view.start_time)
+                if key not in running:
                     return False
                 if owner is None:
                     return True
-                info = self.attribution.info(pid)
+                info = self.attribution.info(self.attribution.host_pid(key))
                 return info is not None and kernelview.belongs(info, owner, host,
                                                                self.attribution.proc)
 

@@ -31,7 +31,7 @@ from cgpu_km.sched import GpuConfig, Observation, SliceDecision, SliceScheduler
 
 log = logging.getLogger("cgpu-daemon")
 
-HEARTBEAT_NS = 250_000_000  # gates fail open when the heartbeat is 2 s old
+HEARTBEAT_NS = 500_000_000  # gates fail open when the heartbeat is 2 s old
 IDLE_WAKE_NS = 1_000_000_000  # look again at least this often
 
 
@@ -163,6 +163,7 @@ class RegionPort:
         self._rung: dict[str, int] = {}  # doorbell values at the last observation
         self._kick = ctypes.c_uint32(0)
         self._lock = threading.Lock()
+        self._applied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
 
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
         """The containers on this GPU: name -> (its region, its container GPU)."""
@@ -199,8 +200,12 @@ class RegionPort:
         return found
 
     def apply(self, open_: frozenset[str], now_ns: int) -> None:
-        for name, (region, k) in self.entries().items():
+        entries = self.entries()
+        if open_ == self._applied[0] and entries.keys() == self._applied[1]:
+            return  # nothing changed since the last time (the common case)
+        for name, (region, k) in entries.items():
             region.set_gate(k, name in open_, now_ns)
+        self._applied = (open_, frozenset(entries))
 
     def heartbeat(self, now_ns: int) -> None:
         for region, _k in self.entries().values():

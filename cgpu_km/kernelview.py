@@ -194,6 +194,36 @@ def belongs(info: ProcessInfo, owner: Owner, host: Host, proc: str = PROC) -> bo
     return False
 
 
+class OwnerIndex:
+    """Containers by what identifies them, to find a process's container fast:
+    one dictionary lookup by pid namespace, the namespaces above it only when
+    that fails, then the cgroups. The same answers as `belongs`."""
+
+    def __init__(self, owners: Mapping[str, Owner], host: Host, proc: str = PROC) -> None:
+        self.host = host
+        self.proc = proc
+        self.by_pidns = {owner.pidns: name for name, owner in owners.items()
+                         if owner.pidns and owner.pidns != host.pidns}
+        self.by_cgroup = [(key, top, name) for name, owner in owners.items()
+                          for key, top in owner.cgroups.items()
+                          if top not in ("", "/") and top not in host.cgroups.get(key, ())]
+
+    def find(self, info: ProcessInfo) -> str | None:
+        name = self.by_pidns.get(info.pidns)
+        if name is not None:
+            return name
+        if info.pidns != self.host.pidns and self.by_pidns:
+            for pidns in pidns_ancestors(info.pid, self.proc):
+                name = self.by_pidns.get(pidns)
+                if name is not None:
+                    return name
+        for key, top, name in self.by_cgroup:
+            path = info.cgroups.get(key)
+            if path is not None and _under(path, top):
+                return name
+        return None
+
+
 def all_pids(proc: str = PROC) -> Iterator[int]:
     for entry in os.scandir(proc):
         if entry.name.isdigit():

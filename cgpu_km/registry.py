@@ -14,6 +14,7 @@ import threading
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from cgpu_km import kernelview
 from cgpu_km import region as region_mod
@@ -41,6 +42,7 @@ class Registry:
         self._lock = threading.Lock()
         self._attached: dict[str, Attached] = {}
         self._containers: dict[int, frozenset[str]] = {}
+        self._keys: Mapping[Key, tuple[Attached, int]] = {}
         self._warned: set[str] = set()
 
     def attach(self, containers: Mapping[int, Set[str]]) -> bool:
@@ -72,11 +74,13 @@ class Registry:
                 continue
             self._warned.discard(name)
             after[name] = Attached(name, opened, identity, kernelview.read_owner(path))
+        keys = _keys(after, wanted)
         with self._lock:
             changed = after.keys() != before.keys() or any(
                 after[n].region is not before[n].region for n in after)
             self._attached = after
             self._containers = wanted
+            self._keys = keys
         return changed
 
     def missing(self) -> set[str]:
@@ -97,22 +101,26 @@ class Registry:
         with self._lock:
             return list(self._attached.values())
 
-    def keys(self) -> dict[Key, tuple[Attached, int]]:
+    def keys(self) -> Mapping[Key, tuple[Attached, int]]:
         """(gpu, name) -> (its region, the container GPU that host GPU is)."""
         with self._lock:
-            attached, containers = dict(self._attached), dict(self._containers)
-        found: dict[Key, tuple[Attached, int]] = {}
-        for gpu, names in containers.items():
-            for name in names:
-                entry = attached.get(name)
-                if entry is None:
-                    continue
-                k = entry.region.gpu_for_host(gpu)
-                if k is not None:
-                    found[gpu, name] = (entry, k)
-        return found
+            return self._keys
 
     def entries_for(self, gpu: int) -> dict[str, tuple[region_mod.Region, int]]:
         """What GPU `gpu`'s dispatcher drives: name -> (region, container GPU)."""
         return {name: (entry.region, k) for (g, name), (entry, k) in self.keys().items()
                 if g == gpu}
+
+
+def _keys(attached: Mapping[str, Attached], containers: Mapping[int, frozenset[str]]
+          ) -> Mapping[Key, tuple[Attached, int]]:
+    found: dict[Key, tuple[Attached, int]] = {}
+    for gpu, names in containers.items():
+        for name in names:
+            entry = attached.get(name)
+            if entry is None:
+                continue
+            k = entry.region.gpu_for_host(gpu)
+            if k is not None:
+                found[gpu, name] = (entry, k)
+    return MappingProxyType(found)

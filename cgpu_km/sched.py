@@ -255,6 +255,9 @@ class _Account:
 NEVER = float("inf")
 MAX_QUANTA = 4.0  # the longest slice, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
+# A holder alone with the whole GPU is looked at this often (a container that
+# starts waiting rings, and is looked at at once).
+LONE_SLICE = 0.25
 
 
 class SliceScheduler:
@@ -419,8 +422,9 @@ class SliceScheduler:
                     or (ended and not self._eligible(holder, slack=1e-9))):
                 if ended:  # nobody else may take it: a new slice, no drain
                     company = self._active - {holder}
-                    self._slice_end = now + (self._slice_length(holder) if company
-                                             else self.quantum * MAX_QUANTA)
+                    alone = LONE_SLICE if self._rates[holder][0] >= 1 else \
+                        self.quantum * MAX_QUANTA
+                    self._slice_end = now + (self._slice_length(holder) if company else alone)
                 wake_at = self._slice_end
                 if others:
                     wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
