@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgpu_km import paths
 from cgpu_km.node import containerdconf, dockerconf, podmanhooks
 from cgpu_km.node.edits import Doc, Edit, undo
 from cgpu_km.node.prefix import PrefixError, build_prefix, checkout
@@ -114,19 +115,41 @@ def unit_text(text: str, bin_dir: Path) -> str:
     return text.replace(UNIT_BIN, str(bin_dir).rstrip("/") + "/")
 
 
-def hook_call(layout: Layout, options: Options) -> HookCall:
-    env = (f"PATH={DEFAULT_PATH}", f"CGPU_LIBCGPU={layout.prefix / 'lib' / 'libcgpu.so'}",
-           *options.hook_env)
-    return HookCall(path=str(layout.hook), root=options.tree_root, env=env)
+@dataclass(frozen=True)
+class Parts:
+    """Where the installed programs find libcgpu and simgpu."""
+
+    libcgpu: Path
+    simgpu: Path
+
+    @classmethod
+    def of(cls, prefix: Path) -> Parts:
+        """The prefix's copies, else this environment's (an install with --no-build)."""
+        if (prefix / "lib" / "libcgpu.so").is_file():
+            return cls(prefix / "lib" / "libcgpu.so", prefix / "simgpu")
+        return cls(paths.libcgpu(), paths.simgpu_dir())
 
 
-def runtime_settings(layout: Layout, options: Options, nvidia: list[str]) -> Settings:
+def hook_call(parts: Parts, options: Options, hook: Path) -> HookCall:
+    env = (f"PATH={DEFAULT_PATH}", f"CGPU_LIBCGPU={parts.libcgpu}", *options.hook_env)
+    return HookCall(path=str(hook), root=options.tree_root, env=env)
+
+
+def runtime_settings(parts: Parts, options: Options, hook: Path,
+                     nvidia: list[str]) -> Settings:
     runtimes = tuple(dict.fromkeys([*nvidia, *DEFAULT_RUNTIMES]))
-    return Settings(runtimes=runtimes, hook=hook_call(layout, options),
+    return Settings(runtimes=runtimes, hook=hook_call(parts, options, hook),
                     simulate=options.simulate,
-                    simgpu=SimGpu(folder=layout.prefix / "simgpu",
-                                  state=Path(options.simgpu_state)),
+                    simgpu=SimGpu(folder=parts.simgpu, state=Path(options.simgpu_state)),
                     simgpu_devices=options.simgpu_devices)
+
+
+def podman_hook_call(parts: Parts, options: Options, hook: Path) -> HookCall:
+    """The hook as podman runs it: no wrapper in front, so with simgpu's
+    environment when simulation is on (auto: the hook falls back by itself)."""
+    if options.simulate != "on":
+        return hook_call(parts, options, hook)
+    return runtime_settings(parts, options, hook, []).hook_for(simulating=True)
 
 
 # --- reading what is there ----------------------------------------------------
@@ -262,7 +285,8 @@ def install(layout: Layout, options: Options, say: Say) -> None:
     try:
         programs = step_prefix(layout, options, record, say)
         step_links(layout, programs, record, say)
-        settings = runtime_settings(layout, options, plan.nvidia_programs)
+        parts = Parts.of(layout.prefix)
+        settings = runtime_settings(parts, options, layout.hook, plan.nvidia_programs)
         record.write(layout.runtime_config, render_settings(settings).encode())
         say(f"wrote {layout.runtime_config}: the wrapper runs the first of "
             f"{', '.join(settings.runtimes)}")
@@ -279,7 +303,8 @@ def install(layout: Layout, options: Options, say: Say) -> None:
             say(f"containerd: {layout.containerd_config}: CRI runtime cgpu (restart "
                 "containerd to apply it)")
         if "podman" in options.engines:
-            for name, document in podmanhooks.hook_documents(hook_call(layout, options)).items():
+            documents = podmanhooks.hook_documents(podman_hook_call(parts, options, layout.hook))
+            for name, document in documents.items():
                 record.write(layout.hooks_dir / name, podmanhooks.render(document).encode())
             say(f"podman: cgpu-hook in {layout.hooks_dir}")
         step_units(layout, options, record, say)

@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -109,21 +110,30 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def check_simgpu(settings: Settings, config_file: Path) -> None:
-    """simgpu's files are there; the state file exists (a bind mount needs it,
-    and simgpu builds its model into an empty one)."""
+    """simgpu's files are there, and so is its state (a bind mount needs the
+    file): a missing or empty one is built by simgpu itself, with the
+    configured devices, as the host's first GPU program would build it."""
     folder = settings.simgpu.folder
     for name in (*SIMGPU_LIBRARIES, "nvidia-smi"):
         if not (folder / name).is_file():
             raise WrapperError(f"simgpu's {name} is not in {folder} (build it with "
                                f"`make -C simgpu`, or set simgpu.folder in {config_file})")
     state = settings.simgpu.state
+    with contextlib.suppress(OSError):
+        if state.stat().st_size > 0:
+            return
+    env = {"PATH": "/usr/bin:/bin", "SIMGPU_STATE": str(state)}
+    if settings.simgpu_devices:
+        env["SIMGPU_DEVICES"] = settings.simgpu_devices
     try:
         state.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        os.fchmod(fd, 0o666)
-        os.close(fd)
-    except OSError as error:
-        raise WrapperError(f"cannot create the simgpu state {state}: {error.strerror}") from None
+        result = subprocess.run([str(folder / "nvidia-smi"), "-L"], env=env,
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise WrapperError(f"cannot create the simgpu state {state}: {error}") from None
+    if result.returncode != 0:
+        detail = (result.stderr.strip() or result.stdout.strip() or "failed").splitlines()[-1]
+        raise WrapperError(f"cannot create the simgpu state {state}: {detail}")
 
 
 def prepare_bundle(bundle: Path, settings: Settings, config_file: Path) -> None:
