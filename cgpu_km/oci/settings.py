@@ -147,11 +147,17 @@ def load_settings(path: Path) -> Settings:
         raise SettingsError(f"{path}: {error}") from None
 
 
+def _string(text: str) -> str:
+    """A TOML basic string: JSON's escapes, but not its surrogate pairs, and DEL escaped."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
 def _toml(value: str | int | Sequence[str]) -> str:
-    """A TOML value (JSON's string escapes are TOML's)."""
-    if isinstance(value, str | int):
-        return json.dumps(value)
-    return "[" + ", ".join(json.dumps(item) for item in value) + "]"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return _string(value)
+    return "[" + ", ".join(_string(item) for item in value) + "]"
 
 
 def render_settings(settings: Settings) -> str:
