@@ -392,4 +392,9 @@ def uninstall(state_dir: Path, say: Say) -> None:
     pidfile = record.settings.get("docker_pidfile")
     if pidfile and "docker" in record.settings.get("engines", []):
         hup_dockerd(Path(pidfile), say)
+        config = Path(layout.get("etc", "/etc")) / "docker" / "daemon.json"
+        with contextlib.suppress(ValueError):
+            if "runtimes" not in dockerconf.parse(read_text(config)):
+                say(f"{config} names no runtimes now, and dockerd keeps those it has until "
+                    "it restarts: restart docker to drop cgpu")
     record.forget()

@@ -10,9 +10,10 @@
  *
  * Memory comes from nvmlDeviceGetMemoryInfo, so inside a managed container
  * libcgpu's interposition makes it show the container's limit. The process
- * list keeps the processes this /proc shows (in a container: its own; pids
- * recorded in other pid namespaces can look alike). Exit status 0, 2 for
- * bad usage, 9 when NVML cannot start (as NVIDIA's).
+ * list keeps the processes this /proc shows (in a container: its own). simgpu
+ * records a process in a container under its pid there, so two containers'
+ * processes can share a pid: such a pid is listed once, its usage "N/A".
+ * Exit status 0, 2 for bad usage, 9 when NVML cannot start (as NVIDIA's).
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -134,9 +135,18 @@ static int table(unsigned count)
         unsigned n = MAX_PROCS;
         if (nvmlDeviceGetComputeRunningProcesses(dev, &n, procs) != NVML_SUCCESS)
             n = 0;
-        for (unsigned p = 0; p < n && i < MAX_GPUS && nprocs[i] < SHOWN; p++)
-            if (visible_pid(procs[p].pid))
+        for (unsigned p = 0; p < n && i < MAX_GPUS && nprocs[i] < SHOWN; p++) {
+            if (!visible_pid(procs[p].pid))
+                continue;
+            int seen = -1;
+            for (unsigned q = 0; q < nprocs[i]; q++)
+                if (shown[i][q].pid == procs[p].pid)
+                    seen = (int)q;
+            if (seen >= 0)
+                shown[i][seen].usedGpuMemory = NVML_VALUE_NOT_AVAILABLE;
+            else
                 shown[i][nprocs[i]++] = procs[p];
+        }
     }
 
     printf("\n");
@@ -152,7 +162,10 @@ static int table(unsigned count)
         for (unsigned p = 0; p < nprocs[i]; p++) {
             char pname[256], used[32];
             process_name(shown[i][p].pid, pname, sizeof(pname));
-            snprintf(used, sizeof(used), "%lluMiB", shown[i][p].usedGpuMemory / MIB);
+            if (shown[i][p].usedGpuMemory == (unsigned long long)NVML_VALUE_NOT_AVAILABLE)
+                snprintf(used, sizeof(used), "N/A");
+            else
+                snprintf(used, sizeof(used), "%lluMiB", shown[i][p].usedGpuMemory / MIB);
             snprintf(text, sizeof(text), "  %3u  %8u  %5s   %-40.40s %10s ", i, shown[i][p].pid,
                      "C", pname, used);
             line(text);
