@@ -68,6 +68,7 @@ UPGRADED_ENV = "CGPU_DAEMON_UPGRADED"
 UTILIZATION_WINDOW = 5.0
 # Scheduler credits older than this are not restored (the world moved on).
 STATE_MAX_AGE = 60.0
+DISPATCH_SWITCH_INTERVAL = 0.0002  # seconds, sys.setswitchinterval
 
 
 @dataclass(frozen=True)
@@ -729,6 +730,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
         return 2
+    # A dispatcher woken by a doorbell must not wait for another thread's Python
+    # (a /proc scan, NVML) to give up the interpreter: 5 ms by default.
+    sys.setswitchinterval(DISPATCH_SWITCH_INTERVAL)
     from cgpu_km import metrics
     from cgpu_km.daemon_plane import make_plane
     from cgpu_km.gpus import GpuError, discover_gpus

@@ -120,11 +120,17 @@ class Dispatcher:
         observed = self.port.observe()
         now = self.clock()
         with self._lock:
+            before = self._decision
             decision = self._scheduler.step(now / 1e9, observed)
             self._decision = decision
             self._steps += 1
             self._last_step = time.monotonic()
         self.port.apply(decision.open, now)
+        if log.isEnabledFor(logging.DEBUG) and (before is None or before.open != decision.open):
+            log.debug("GPU %d at %.4f: open %s (waiting %s; drained %s)", self.gpu, now / 1e9,
+                      ",".join(sorted(decision.open)) or "-",
+                      ",".join(sorted(n for n, o in observed.items() if o.waiting)) or "-",
+                      " ".join(f"{n}={o.drained_at:.4f}" for n, o in sorted(observed.items())))
         return decision
 
     def run(self) -> None:

@@ -134,10 +134,12 @@ def create_region(ctx: HookContext, undo: Undo) -> None:
     except (region_mod.RegionError, OSError) as error:
         raise HookError(f"creating the region {path} failed: {error}") from None
     undo.push("region", lambda: region_mod.Region.remove(path))
-    owner = kernelview.owner_of(ctx.pid) if ctx.pid is not None else None
+    if ctx.pid is None:
+        return  # nothing is injected either (see inject_data_plane)
+    owner = kernelview.owner_of(ctx.pid)
     if owner is None:
-        print(f"cgpu-hook: warning: no identity for {ctx.id12} (its init process is not "
-              f"known): its GPU processes cannot be told from the host's", file=sys.stderr)
+        print(f"cgpu-hook: warning: no identity for {ctx.id12} (pid {ctx.pid} is gone): "
+              f"its GPU processes cannot be told from the host's", file=sys.stderr)
         return
     try:
         kernelview.write_owner(path, owner)

@@ -123,6 +123,10 @@ CONTAINER_METRICS = (
     MetricSpec("cgpu_container_processes", "gauge", CONTAINER_LABELS,
                "Processes of the container using memory on the GPU.",
                lambda c: len(c.processes)),
+    MetricSpec("cgpu_container_unmanaged_processes", "gauge", CONTAINER_LABELS,
+               "Processes of the container on the GPU that bypassed libcgpu (no process "
+               "slot): counted against its memory limit, not gated.",
+               lambda c: sum(not p.managed for p in c.processes)),
 )
 
 METRICS = DAEMON_METRICS + GPU_METRICS + CONTAINER_METRICS

@@ -254,6 +254,7 @@ class _Account:
 
 NEVER = float("inf")
 MAX_QUANTA = 4.0  # the longest slice, in quanta
+ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
 
 
 class SliceScheduler:
@@ -360,11 +361,12 @@ class SliceScheduler:
                 if seen.answered and name != self.holder:
                     self._charge(name, min(now, seen.drained_at) - charged_to)
                 del self._late[name]
-        holding = self.holder if self.holder is not None and not self.draining else None
-        active = frozenset(n for n in self._accounts
+        # Active: waiting now, or launched or waited within a short while (a busy
+        # container's processes are not at the gate every instant: between two
+        # turns they drain, wake, launch).
+        active = frozenset(n for n, acc in self._accounts.items()
                            if observed.get(n, nothing).waiting
-                           or (n == holding
-                               and now - self._accounts[n].last_active < self.idle_grace))
+                           or now - acc.last_active < self.burst_window)
         if active != self._active:
             self._active = active
             self._set_allot()
@@ -382,10 +384,15 @@ class SliceScheduler:
                 acc.credit = min(acc.credit, share * self.burst_window)
                 acc.cap_credit = min(acc.cap_credit, cap * self.burst_window)
 
-    def _eligible(self, name: str, slack: float = 0.0) -> bool:
+    def _eligible(self, name: str, slack: float | None = None) -> bool:
+        """May start a slice: its credits are not below zero, give or take a
+        little (`slack`, by default a quarter quantum of share credit: a
+        container just behind is not left waiting a whole slice for it)."""
         acc = self._accounts[name]
+        if slack is None:
+            slack = self.quantum * ELIGIBLE_SLACK_QUANTA
         return (self._rates[name][0] > 0 and acc.credit >= -slack
-                and acc.cap_credit >= -slack)
+                and acc.cap_credit >= -1e-9)
 
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
         nothing = Observation()
@@ -403,15 +410,17 @@ class SliceScheduler:
                 self._allot[n].preempts and self._eligible(n) for n in others)
             if others:  # no longer alone: a slice for the company it has now
                 self._slice_end = min(self._slice_end, self._granted_at
-                                      + self._slice_length(holder, others | {holder}))
+                                      + self._slice_length(holder))
             ended = now >= self._slice_end
             if ended:  # charge the slice so far: is there credit for another?
                 self._charge(holder, now - self._granted_at)
                 self._granted_at = now
             if not (preempted or (others and (ended or idle))
                     or (ended and not self._eligible(holder, slack=1e-9))):
-                if ended:  # alone with credit: a new slice, no drain
-                    self._slice_end = now + self.quantum * MAX_QUANTA
+                if ended:  # nobody else may take it: a new slice, no drain
+                    company = self._active - {holder}
+                    self._slice_end = now + (self._slice_length(holder) if company
+                                             else self.quantum * MAX_QUANTA)
                 wake_at = self._slice_end
                 if others:
                     wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
@@ -429,9 +438,6 @@ class SliceScheduler:
             if not seen.answered:
                 self._late[holder] = end  # the rest is charged when it answers
             self.holder, self._closed_at = None, None
-            if frozenset(waiting) != self._active:
-                self._active = frozenset(waiting)
-                self._set_allot()
         return self._grant(now, waiting)
 
     def _settle(self, waiting: Set[str]) -> None:
@@ -454,11 +460,12 @@ class SliceScheduler:
             for name in owed:
                 self._accounts[name].credit -= common * self._rates[name][0]
 
-    def _slice_length(self, name: str, waiting: Set[str]) -> float:
-        """A quantum for the smallest share among those waiting, proportionally
-        more (up to MAX_QUANTA) for larger ones: each switch costs the same, so
-        the fewer the better, and the smallest share sets how fine it must be."""
-        shares = [self._rates[n][0] for n in waiting if self._rates[n][0] > 0]
+    def _slice_length(self, name: str) -> float:
+        """A quantum for the smallest share among the active containers,
+        proportionally more (up to MAX_QUANTA) for larger ones: each switch
+        costs the same, so the fewer the better, and the smallest share sets
+        how fine it must be."""
+        shares = [self._rates[n][0] for n in self._active | {name} if self._rates[n][0] > 0]
         smallest = min(shares, default=self._rates[name][0])
         ratio = self._rates[name][0] / smallest if smallest > 0 else 1.0
         return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
@@ -473,7 +480,7 @@ class SliceScheduler:
             # then lost in proportion to the shares, and the ratios hold.
             chosen = max(pool, key=lambda n: (self._accounts[n].credit / self._rates[n][0], n))
             self.holder = chosen
-            self._granted_at, self._slice_end = now, now + self._slice_length(chosen, waiting)
+            self._granted_at, self._slice_end = now, now + self._slice_length(chosen)
             self._accounts[chosen].last_active = now
             wake_at = self._slice_end
             if len(waiting) > 1:
@@ -486,7 +493,9 @@ class SliceScheduler:
             acc = self._accounts[name]
             if share <= 0:
                 continue
-            need = max(-acc.credit / share, -acc.cap_credit / cap if cap > 0 else NEVER, 0.0)
+            slack = self.quantum * ELIGIBLE_SLACK_QUANTA
+            need = max((-acc.credit - slack) / share,
+                       -acc.cap_credit / cap if cap > 0 else NEVER, 0.0)
             wake_at = min(wake_at, now + need)
         return self._decision(frozenset(), wake_at)
 

@@ -123,14 +123,16 @@ def daemon_status(snapshot: Snapshot | None, problem: str, now: float) -> Daemon
 
 def _container_row(gpu: int, view: treefs.ContainerView, total: int | None,
                    live: Snapshot | None) -> ContainerRow:
-    processes = tuple(ProcessFigures(pid, size) for pid, size in sorted(view.procs.items()))
+    figures = live.container(gpu, view.name) if live else None
+    bypassed = {p.pid for p in figures.processes if not p.managed} if figures else set()
+    processes = tuple(ProcessFigures(pid, size, pid not in bypassed)
+                      for pid, size in sorted(view.procs.items()))
     row = ContainerRow(
         name=view.name, id=view.id, gpu=gpu, weight=view.weight,
         highprio=bool(view.highprio), util_limit=view.util_limit,
         memory_limit_bytes=view.memsize or total,
         memory_used_bytes=sum(view.procs.values()), processes=processes,
     )
-    figures = live.container(gpu, view.name) if live else None
     if figures is None:
         return row
     return dataclasses.replace(
@@ -266,8 +268,9 @@ def render_text(view: View) -> str:
         left=(1,))
     lines += ["", "Processes:"]
     lines += render_table(
-        ["GPU", "Container", "PID", "GPU Memory"],
-        [[str(c.gpu), c.name, str(p.pid), _mib(p.memory_bytes)]
+        ["GPU", "Container", "PID", "GPU Memory", "libcgpu"],
+        [[str(c.gpu), c.name, str(p.pid), _mib(p.memory_bytes),
+          "yes" if p.managed else "BYPASSED"]
          for c in containers for p in c.processes],
         left=(1,))
     return "\n".join(lines) + "\n"

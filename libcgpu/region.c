@@ -451,6 +451,8 @@ void cgpu_unreserve(int g, uint64_t size)
         sub_clamped(&me->gpu[g].mem, size);
 }
 
+#define OOM_SCRIPT_NS 5000000000ull
+
 static void set_env_u64(char **slot, const char *name, uint64_t v)
 {
     if (asprintf(slot, "%s=%llu", name, (unsigned long long)v) < 0)
@@ -489,9 +491,21 @@ static void run_oom_script(const char *script, const struct cgpu_control *r, int
     if (rc != 0) {
         cgpu_log("cannot run the OOM script %s: %s", script, strerror(rc));
     } else {
+        /* It runs in this process's namespaces, as its user; for OOM_SCRIPT_NS at most. */
+        uint64_t deadline = cgpu_now_ns() + OOM_SCRIPT_NS;
         int status;
-        while (waitpid(child, &status, 0) < 0 && errno == EINTR)
-            ;
+        pid_t done;
+        while ((done = waitpid(child, &status, WNOHANG)) == 0 || (done < 0 && errno == EINTR)) {
+            if (cgpu_now_ns() >= deadline) {
+                cgpu_log("the OOM script %s ran longer than %llu s and was killed", script,
+                         (unsigned long long)(OOM_SCRIPT_NS / 1000000000ull));
+                kill(child, SIGKILL);
+                waitpid(child, &status, 0);
+                break;
+            }
+            struct timespec tick = {0, 10000000};
+            nanosleep(&tick, NULL);
+        }
     }
     for (int i = 0; i < 6; i++)
         free(extra[i]);

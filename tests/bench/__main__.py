@@ -1,195 +1,289 @@
-"""`make bench`: compute shares and daemon cost, measured side by side in one run.
+"""`make bench`: compute shares counted in the workloads, and what the system costs.
 
-1. The ResNet-shaped table of the cGPU documents: two containers at weights
-   1:2 under policy 2, for kernel durations from 50 us to 20 ms and 1 to 8
-   processes per container. Measured on simgpu with the real daemon, the
-   FUSE tree, regions and libcgpu (throughput = kernels per second of each
-   container, from an independent NVML meter); next to each row, the same
-   case on the pure engine model (`cgpu_km.sched_sim`, simulated time).
-2. The daemon's CPU use with 25 containers on each of 8 simulated GPUs.
+Every container is a `cgpu-run` job running `simgpu/sharework`, which
+counts the kernels it completes; a share is what the containers completed,
+compared with a fixed target, never a figure from NVML or the daemon. Run on
+simgpu with the real daemon and the FUSE tree, under the default engine and
+again under SIMGPU_SCHED=fifo:
 
-Without simgpu/libcgpu built, or without FUSE, only the engine-model
-columns are printed, labelled as such. `--quick` shortens every window.
+- shares: two containers at weights 1:2 under policy 2, started together,
+  for 50 us to 20 ms kernels and 1, 4 and 8 processes per container;
+- switch: both containers' total throughput against one container alone;
+- caps: a lone container under policy 0 (max_inst 4) and policy 3 (weight
+  3 of 8), against its solo throughput;
+- p1: policy 1, two containers 1:1.
+
+Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu) and
+what libcgpu adds to launches and allocations (libcgpu).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from cgpu_km import region as region_mod
-from cgpu_km.sched import ContainerSpec, GateScheduler, GpuConfig, Policy
-from cgpu_km.sched_sim import EngineSim, SimProcess, run
 from tests.bench import libcgpu_bench
-from tests.daemon.simbox import VENV_BIN, SimNode, missing
+from tests.bench.shares import (
+    STEADY_AFTER,
+    Report,
+    Summary,
+    Workload,
+    count,
+    measure,
+    started,
+    summarize,
+)
+from tests.daemon.simbox import SimHost, fuse_tree, missing
 
 KERNELS_US = (50, 1000, 5000, 20000)
 PROCS = (1, 4, 8)
-WEIGHTS = (1, 2)
-# simgpu keeps its default launch queue (1024); libcgpu bounds each process's
-# queue to the region's max_inflight, and to about 4 ms of queued work as it
-# measures it (what the stream drains per launch, other processes' kernels
-# included): the engine model's queue depth follows the same rule.
-QUEUE_DEPTH = region_mod.DEFAULT_MAX_INFLIGHT
-DRAIN_S = 0.004
-
-
-def model_depth(us: int, procs: int) -> int:
-    """libcgpu's bound for `us` kernels with `procs` processes per container, both busy."""
-    per_launch = us / 1e6 * 2 * procs
-    return max(2, min(QUEUE_DEPTH, int(DRAIN_S / per_launch)))
 PERIOD = 0.02
+ENGINES: tuple[tuple[str, str | None], ...] = (
+    ("default engine (SIMGPU_SCHED unset)", None),
+    ("SIMGPU_SCHED=fifo", "fifo"),
+)
+PARTS = ("shares", "switch", "caps", "p1", "cpu", "libcgpu")
+# Targets: |error| of the 1:2 ratio, and what switching and caps must keep.
+WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET = 0.05, 0.02, 0.08
+SWITCH_TARGET = 0.95
+CAP_TARGET = 0.02
 
 
-def window_for(us: int, quick: bool) -> float:
-    seconds = 8.0 if us <= 1000 else 12.0 if us <= 5000 else 24.0
-    return seconds / 3 if quick else seconds
+def work(name: str, us: int, procs: int = 1, *, weight: int) -> Workload:
+    """A container whose processes each keep max(2, 1 ms of kernels) launches outstanding:
+    with 2 of 50 us, a process waking late on a small host leaves its own stream idle."""
+    return Workload(name, us, procs, weight=weight, depth=max(2, math.ceil(1000 / us)))
 
 
-def model_ratio(us: int, procs: int, seconds: float) -> float:
-    config = GpuConfig(policy=Policy.WEIGHTED, containers={
-        "c1": ContainerSpec(WEIGHTS[0]), "c2": ContainerSpec(WEIGHTS[1])})
-    engine = EngineSim([SimProcess(name, us / 1e6, model_depth(us, procs))
-                        for name in ("c1", "c2") for _ in range(procs)])
-    scheduler = GateScheduler(config, period=PERIOD)
-    start: dict[str, float] = {}
-
-    def mark(t: float, usage: dict[str, float]) -> None:
-        if not start and t >= 2.0:
-            start.update(usage)
-
-    usage = run(scheduler, engine, seconds + 2.0, lambda t: {"c1", "c2"}, on_step=mark)
-    return (usage["c2"] - start["c2"]) / (usage["c1"] - start["c1"])
+def label(us: int) -> str:
+    return f"{us / 1000:g} ms" if us >= 1000 else f"{us} us"
 
 
-class Tree:
-    """A FUSE control tree for the whole run."""
-
-    def __init__(self, base: Path, gpus: int) -> None:
-        self.root = base / "tree"
-        self.root.mkdir()
-        self.log = (base / "fuse.log").open("wb")
-        self.process = subprocess.Popen(
-            [str(VENV_BIN / "cgpu-fuse"), "--root", str(self.root), "--gpus", str(gpus)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while not os.path.ismount(self.root):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("cgpu-fuse did not mount")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        subprocess.run(["fusermount", "-u", "-z", str(self.root)], check=False)
-        self.process.wait(timeout=10)
-        self.log.close()
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
 
 
-def share_table(base: Path, tree: Tree | None, quick: bool) -> None:
-    print("Compute shares: policy 2 (weight-based), weights 1:2, target ratio 2.00")
-    print(f"(simgpu queue 1024, libcgpu in-flight bound {QUEUE_DEPTH} launches per process and "
-          f"about {DRAIN_S * 1000:.0f} ms, period {PERIOD * 1000:.0f} ms)")
-    head = (f"{'kernel':>8} {'procs':>5} | {'ctr1 k/s':>9} {'ctr2 k/s':>9} {'ratio':>6} "
-            f"{'target':>6} {'error':>7} | {'model ratio':>11} {'error':>7}")
-    print(head)
-    print("-" * len(head))
-    worst = 0.0
+def steady_rate(report: Report, seconds: float) -> float:
+    """Kernels per second from STEADY_AFTER to the end."""
+    return count(report, report.t0 + STEADY_AFTER, report.t0 + seconds) / (seconds - STEADY_AFTER)
+
+
+@dataclass
+class Engine:
+    """One engine's runs on one simulated host; solo rates are measured once per size."""
+
+    host: SimHost
+    seconds: float
+    solo: dict[int, float] = field(default_factory=dict)
+    runs: int = 0
+
+    def run(self, policy: int, workloads: Sequence[Workload], max_inst: int = 16
+            ) -> dict[str, Report]:
+        self.host.echo("0/max_inst", max_inst)
+        self.host.echo("0/policy", policy)
+        self.runs += 1
+        named = [replace(w, name=f"{w.name}-{self.runs}") for w in workloads]
+        reports = measure(self.host, named, self.seconds)
+        return {w.name: reports[n.name] for w, n in zip(workloads, named, strict=True)}
+
+    def solo_rate(self, us: int) -> float:
+        if us not in self.solo:
+            got = self.run(2, [work("solo", us, weight=1)])
+            self.solo[us] = steady_rate(got["solo"], self.seconds)
+        return self.solo[us]
+
+    def pair(self, policy: int, us: int, procs: int, weights: tuple[int, int],
+             target: float) -> Summary:
+        got = self.run(policy, [work("c1", us, procs, weight=weights[0]),
+                                work("c2", us, procs, weight=weights[1])])
+        return summarize(got["c1"], got["c2"], self.seconds, target)
+
+
+def print_head(columns: str) -> None:
+    print(columns)
+    print("-" * len(columns))
+
+
+def share_table(engine: Engine, procs_list: Sequence[int]) -> dict[int, float]:
+    """The 1:2 table; returns each kernel size's steady total rate with 1 process."""
+    print(f"Shares: policy 2, weights 1:2 (target ratio 2), started together, "
+          f"{engine.seconds:g} s; steady from {STEADY_AFTER:g} s; 1 s windows every 0.1 s")
+    print_head(f"{'kernel':>8} {'procs':>5} | {'ctr1 k/s':>9} {'ctr2 k/s':>9} | {'whole':>6} "
+               f"{'error':>7} | {'steady':>6} {'error':>7} | {'worst 1 s window':>16}")
+    worst = [0.0, 0.0, 0.0]
+    totals: dict[int, float] = {}
     for us in KERNELS_US:
-        for procs in PROCS:
-            seconds = window_for(us, quick)
-            target = WEIGHTS[1] / WEIGHTS[0]
-            model = model_ratio(us, procs, seconds)
-            model_cols = f"{model:>11.3f} {100 * (model / target - 1):>+6.2f}%"
-            label = f"{us / 1000:g} ms" if us >= 1000 else f"{us} us"
-            if tree is None:
-                print(f"{label:>8} {procs:>5} | {'-':>9} {'-':>9} {'-':>6} {target:>6.2f} "
-                      f"{'-':>7} | {model_cols}")
-                continue
-            node = SimNode(base / f"shares-{us}-{procs}", tree.root)
-            try:
-                (tree.root / "0" / "policy").write_text("2\n")
-                node.add("c1", weight=WEIGHTS[0])
-                node.add("c2", weight=WEIGHTS[1])
-                node.start_daemon(PERIOD)
-                node.start("c1", procs=procs, us=us)
-                node.start("c2", procs=procs, us=us)
-                time.sleep(2.0)
-                got = node.measure(seconds)
-            finally:
-                node.close(unregister=True)
-            ratio = got["c2"] / got["c1"] if got["c1"] > 0 else float("inf")
-            error = 100 * (ratio / target - 1)
-            worst = max(worst, abs(error))
-            rate = 1e6 / us
-            print(f"{label:>8} {procs:>5} | {got['c1'] * rate:>9.0f} {got['c2'] * rate:>9.0f} "
-                  f"{ratio:>6.3f} {target:>6.2f} {error:>+6.2f}% | {model_cols}", flush=True)
-    if tree is not None:
-        print(f"worst simgpu ratio error: {worst:.2f}% (target: within 2%)")
+        for procs in procs_list:
+            s = engine.pair(2, us, procs, (1, 2), 2.0)
+            errors = (s.whole_error, s.steady_error, s.worst_window_error)
+            worst = [max(w, abs(e)) for w, e in zip(worst, errors, strict=True)]
+            r1, r2 = s.rates()
+            if procs == 1:
+                totals[us] = sum(s.steady) / (engine.seconds - STEADY_AFTER)
+            print(f"{label(us):>8} {procs:>5} | {r1:>9.0f} {r2:>9.0f} | "
+                  f"{s.whole[1] / max(s.whole[0], 1):>6.3f} {100 * s.whole_error:>+6.2f}% | "
+                  f"{s.steady[1] / max(s.steady[0], 1):>6.3f} {100 * s.steady_error:>+6.2f}% | "
+                  f"{100 * s.worst_window_error:>+15.2f}%", flush=True)
+    for name, value, target in zip(("whole run", "steady", "1 s window"), worst,
+                                   (WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET), strict=True):
+        print(f"worst {name} error: {100 * value:.2f}% (target: within {100 * target:g}%) "
+              f"{verdict(value <= target)}")
+    print()
+    return totals
+
+
+def switching(engine: Engine, together: Mapping[int, float]) -> None:
+    print("Switching: both containers together (1:2, 1 process each) against one alone, "
+          "steady kernels/s")
+    print_head(f"{'kernel':>8} | {'alone':>9} {'together':>9} | {'kept':>7}  target >= "
+               f"{100 * SWITCH_TARGET:g}%")
+    for us in KERNELS_US:
+        both = together.get(us)
+        if both is None:
+            pair = engine.pair(2, us, 1, (1, 2), 2.0)
+            both = sum(pair.steady) / (engine.seconds - STEADY_AFTER)
+        alone = engine.solo_rate(us)
+        kept = both / alone
+        print(f"{label(us):>8} | {alone:>9.0f} {both:>9.0f} | {100 * kept:>6.1f}%  "
+              f"{verdict(kept >= SWITCH_TARGET)}", flush=True)
     print()
 
 
-def daemon_cpu(base: Path, tree: Tree, quick: bool) -> None:
+def caps(engine: Engine) -> None:
+    print("Caps: a lone container's steady throughput against its solo throughput "
+          f"(target within {100 * CAP_TARGET:g} points)")
+    print_head(f"{'kernel':>8} | {'case':<24} | {'share':>6} {'target':>6} {'error':>7}")
+    for us in KERNELS_US:
+        alone = engine.solo_rate(us)
+        for policy, weight, max_inst in ((0, 1, 4), (3, 3, 8)):
+            got = engine.run(policy, [work("capped", us, weight=weight)], max_inst)
+            share = steady_rate(got["capped"], engine.seconds) / alone
+            target = weight / max_inst
+            case = (f"policy 0, max_inst {max_inst}" if policy == 0
+                    else f"policy 3, weight {weight} of {max_inst}")
+            print(f"{label(us):>8} | {case:<24} | {share:>6.3f} {target:>6.3f} "
+                  f"{100 * (share - target):>+5.1f}pp {verdict(abs(share - target) <= CAP_TARGET)}",
+                  flush=True)
+    print()
+
+
+def policy_one(engine: Engine) -> None:
+    print("Policy 1: two containers, 1 process each (target ratio 1)")
+    print_head(f"{'kernel':>8} | {'ctr1 k/s':>9} {'ctr2 k/s':>9} | {'steady':>6} {'error':>7} | "
+               f"{'worst 1 s window':>16}")
+    for us in KERNELS_US:
+        s = engine.pair(1, us, 1, (1, 1), 1.0)
+        r1, r2 = s.rates()
+        print(f"{label(us):>8} | {r1:>9.0f} {r2:>9.0f} | "
+              f"{s.steady[1] / max(s.steady[0], 1):>6.3f} {100 * s.steady_error:>+6.2f}% | "
+              f"{100 * s.worst_window_error:>+15.2f}%", flush=True)
+    print()
+
+
+def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool) -> None:
+    procs_list = (1, 8) if quick else PROCS
+    for name, sched in ENGINES:
+        print(f"=== {name} ===\n")
+        host = SimHost(base / f"engine-{sched or 'default'}", root, gpus=8,
+                       env={"SIMGPU_SCHED": sched})
+        engine = Engine(host, seconds=3.0 if quick else 8.0)
+        try:
+            host.start_daemon(PERIOD)
+            print(f"(daemon period {PERIOD * 1000:g} ms; each container a cgpu-run job of "
+                  f"sharework processes, each keeping max(2, 1 ms of kernels) launches "
+                  f"outstanding)\n")
+            totals = share_table(engine, procs_list) if "shares" in parts else {}
+            if "switch" in parts:
+                switching(engine, totals)
+            if "caps" in parts:
+                caps(engine)
+            if "p1" in parts:
+                policy_one(engine)
+        finally:
+            host.close()
+
+
+def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
     gpus, per_gpu = 8, 25
     seconds = 10.0 if quick else 30.0
-    print(f"Daemon CPU: {per_gpu} containers on each of {gpus} simulated GPUs "
-          f"({gpus * per_gpu} regions), one busy workload per GPU (5 ms kernels)")
-    node = SimNode(base / "cpu", tree.root, gpus=gpus)
+    print(f"Daemon CPU: {per_gpu} containers (cgpu-run jobs) on each of {gpus} simulated GPUs, "
+          f"one busy workload per GPU (5 ms kernels)")
+    host = SimHost(base / "cpu", root, gpus=gpus)
     try:
         for gpu in range(gpus):
-            (tree.root / str(gpu) / "max_inst").write_text(f"{per_gpu}\n")
-            (tree.root / str(gpu) / "policy").write_text("4\n")
-            for k in range(per_gpu):
-                node.add(f"g{gpu}c{k:02d}", gpu=gpu, weight=0 if k else 1)
+            host.echo(f"{gpu}/max_inst", per_gpu)
+            host.echo(f"{gpu}/policy", 4)
+            for k in range(1, per_gpu):
+                host.cgpu_run(f"g{gpu}c{k:02d}", ["sleep", "86400"], gpu=gpu, weight=0)
         for gpu in range(gpus):
-            node.start(f"g{gpu}c00", procs=1, us=5000)
-        for period in (0.1, 0.05, 0.02):
-            node.start_daemon(period)
-            time.sleep(8)  # past the start: reading 200 containers, feeding their meminfo
-            cpu0, wall0 = node.daemon_cpu_seconds(), time.monotonic()
-            time.sleep(seconds)
-            cpu = (node.daemon_cpu_seconds() - cpu0) / (time.monotonic() - wall0)
-            print(f"  period {period * 1000:.0f} ms: daemon CPU {100 * cpu:.1f}% of one core "
-                  f"(target: under 5%)", flush=True)
-            node.kill_daemon(15)
+            for k in range(1, per_gpu):
+                host.wait_registered(f"g{gpu}c{k:02d}", gpu)
+        busy = [Workload(f"g{gpu}c00", 5000, gpu=gpu, weight=1) for gpu in range(gpus)]
+        periods = (0.1,) if quick else (0.1, 0.05, 0.02)
+        with started(host, busy, (8 + seconds + 2) * len(periods), delay=0.1):
+            for period in periods:
+                host.start_daemon(period)
+                time.sleep(8)  # past the start: reading 200 containers, feeding their meminfo
+                cpu0, wall0 = host.daemon_cpu_seconds(), time.monotonic()
+                time.sleep(seconds)
+                cpu = (host.daemon_cpu_seconds() - cpu0) / (time.monotonic() - wall0)
+                print(f"  period {period * 1000:.0f} ms: daemon CPU {100 * cpu:.1f}% of one "
+                      f"core (target: under 5%)", flush=True)
+                host.kill_daemon(15)
     finally:
-        node.close(unregister=True)
+        host.close()
     print()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="short windows (a rough run)")
-    parser.add_argument("--only", choices=("shares", "cpu", "libcgpu"), help="run one part")
-    args = parser.parse_args()
+def parse_parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"parts are {', '.join(PARTS)}; got {text!r}")
+    return parts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="3 s runs, 1 and 8 processes, one daemon period (a rough run)")
+    parser.add_argument("--only", type=parse_parts, default=list(PARTS),
+                        help=f"comma list of parts: {','.join(PARTS)}")
+    args = parser.parse_args(argv)
+    parts: list[str] = args.only
     why = missing()
     if why is None and shutil.which("fusermount") is None:
         why = "fusermount is not installed"
     if why is None and os.geteuid() != 0:
         why = "FUSE mounts with allow_other need root"
-    base = Path(tempfile.mkdtemp(prefix="cgpu-bench-"))
-    tree = None
-    try:
-        if why is not None:
-            print(f"simgpu columns skipped: {why}; engine-model columns only\n")
-        else:
-            tree = Tree(base, gpus=8)
-        started = time.monotonic()
-        if args.only in (None, "shares"):
-            share_table(base, tree, args.quick)
-        if tree is not None and args.only in (None, "cpu"):
-            daemon_cpu(base, tree, args.quick)
-        if args.only in (None, "libcgpu"):
-            libcgpu_bench.main(["--rounds", "3"] if args.quick else [])
-        print(f"bench took {time.monotonic() - started:.0f} s")
-    finally:
-        if tree is not None:
-            tree.close()
-        shutil.rmtree(base, ignore_errors=True)
+    started_at = time.monotonic()
+    simulated: list[Callable[[Path, Path], None]] = []
+    if any(p in parts for p in ("shares", "switch", "caps", "p1")):
+        simulated.append(lambda base, root: engine_parts(base, root, parts, args.quick))
+    if "cpu" in parts:
+        simulated.append(lambda base, root: daemon_cpu(base, root, args.quick))
+    if simulated and why is not None:
+        print(f"simulated-host parts skipped: {why}\n")
+    elif simulated:
+        base = Path(tempfile.mkdtemp(prefix="cgpu-bench-"))
+        try:
+            with fuse_tree(base, gpus=8) as root:
+                for part in simulated:
+                    part(base, root)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    if "libcgpu" in parts:
+        libcgpu_bench.main(["--rounds", "3"] if args.quick else [])
+    print(f"bench took {time.monotonic() - started_at:.0f} s")
     return 0
 
 

@@ -13,6 +13,7 @@ throughput loss for 50 us kernels.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -87,7 +88,8 @@ def measure(paths: dict[str, Path], tmp: Path, case: Case, with_library: bool) -
 
 def median_pair(run: Callable[[bool], float], rounds: int) -> tuple[float, float]:
     """Medians of both; which one runs first alternates, so order effects cancel."""
-    without, with_ = [], []
+    without: list[float] = []
+    with_: list[float] = []
     for round_ in range(rounds):
         for with_library in ((False, True) if round_ % 2 == 0 else (True, False)):
             (with_ if with_library else without).append(run(with_library))
@@ -110,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(header)
         print("-" * len(header))
         for case in CASES:
-            base, lib = median_pair(lambda w, c=case: measure(paths, tmp, c, w), args.rounds)
+            base, lib = median_pair(functools.partial(measure, paths, tmp, case), args.rounds)
             if case.kind == "loss":
                 loss = (1 - base / lib) * 100  # throughput = 1 / time per kernel
                 added = f"{loss:+.2f} %"

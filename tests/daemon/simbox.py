@@ -1,58 +1,85 @@
-"""A whole node on simgpu for measured tests and the benchmark.
+"""A whole host on simgpu for measured tests and the benchmark.
 
-A private simgpu state, the control tree (given), one region per container,
-`cuworkload` processes under libcgpu, the real `cgpu-daemon`, and an
-independent meter: a subprocess that integrates simgpu's NVML process
-utilization in short windows (`python -m tests.daemon.simbox meter ...`).
+A private simgpu state, region folder and daemon state folder; the real
+`cgpu-daemon` on a control tree (given, or mounted with `fuse_tree`); and
+containers started the way a user starts them, with `cgpu-run`. Nothing
+here creates a region or reads the GPU's meters: what a container got is
+counted by its workload (`tests.bench.shares`).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-
-from cgpu_km import region as region_mod
-from cgpu_km import treefs
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[2]
 SIMGPU = REPO / "simgpu"
 LIBCGPU = REPO / "libcgpu" / "libcgpu.so"
-WORKLOAD = SIMGPU / "cuworkload"
+SHAREWORK = SIMGPU / "sharework"
 UUID = "GPU-5e1f3a2b-0c4d-4e6f-8a9b-7c1d2e3f4a5b"
 VENV_BIN = Path(sys.executable).parent
 
 
 def missing() -> str | None:
-    """Why the simgpu node cannot run here, or None."""
-    for path in (SIMGPU / "libcuda.so.1", SIMGPU / "libnvidia-ml.so.1", WORKLOAD, LIBCGPU):
+    """Why a simulated host cannot run here, or None."""
+    for path in (SIMGPU / "libcuda.so.1", SIMGPU / "libnvidia-ml.so.1", SHAREWORK, LIBCGPU):
         if not path.exists():
             return f"{path.relative_to(REPO)} is not built (make build)"
     return None
 
 
-class SimNode:
-    """One simulated host: `gpus` simulated T4s, containers, workloads, the daemon."""
+@contextlib.contextmanager
+def fuse_tree(base: Path, gpus: int) -> Iterator[Path]:
+    """Mount `cgpu-fuse` at `base/tree` for the duration; yields the root."""
+    root = base / "tree"
+    root.mkdir(parents=True)
+    with (base / "fuse.log").open("wb") as log:
+        process = subprocess.Popen(
+            [str(VENV_BIN / "cgpu-fuse"), "--root", str(root), "--gpus", str(gpus)],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(root):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"cgpu-fuse did not mount: {(base / 'fuse.log').read_text()}")
+            time.sleep(0.05)
+        yield root
+    finally:
+        subprocess.run(["fusermount", "-u", "-z", str(root)], check=False)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class SimHost:
+    """`gpus` simulated T4s, the daemon, and `cgpu-run` containers on the tree at `root`.
+
+    `env` is added to every process's environment (None removes a variable);
+    SIMGPU_* variables of this process (e.g. SIMGPU_SCHED) pass through
+    unless `env` sets them.
+    """
 
     def __init__(self, tmp: Path, root: Path, *, gpus: int = 1,
-                 queue_depth: int | None = None) -> None:
-        """`queue_depth`: simgpu's launch queue per stream (None: its default, 1024;
-        libcgpu's in-flight bound keeps what each process queues short)."""
+                 env: Mapping[str, str | None] | None = None) -> None:
         self.tmp = tmp
         self.root = root
         self.region_dir = tmp / "regions"
         self.state_dir = tmp / "daemon"
-        self.regions: dict[str, region_mod.Region] = {}
-        self.workloads: dict[str, list[subprocess.Popen[bytes]]] = {}
+        self.tmp.mkdir(parents=True, exist_ok=True)
         self.daemon: subprocess.Popen[bytes] | None = None
-        devices = ",".join(
-            f"Tesla T4:15109MiB:{UUID[:-2]}{i:02d}" for i in range(gpus)
-        )
-        self.env = {
+        self.containers: dict[str, subprocess.Popen[bytes]] = {}
+        devices = ",".join(f"Tesla T4:15109MiB:{self.uuid(i)}" for i in range(gpus))
+        own = {
+            **{k: v for k, v in os.environ.items() if k.startswith("SIMGPU_")},
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "LD_LIBRARY_PATH": str(SIMGPU),
             "SIMGPU_STATE": str(tmp / "simgpu-state"),
@@ -60,42 +87,24 @@ class SimNode:
             "SIMGPU_CONTEXT_MEM": "0",
             "CGPU_SIMULATE": "1",
             "CGPU_SIMGPU_DIR": str(SIMGPU),
+            "CGPU_REGION_DIR": str(self.region_dir),
             "PYTHONPATH": str(REPO),
+            **(env or {}),
         }
-        if queue_depth is not None:
-            self.env["SIMGPU_QUEUE_DEPTH"] = str(queue_depth)
+        self.env = {k: v for k, v in own.items() if v is not None}
 
-    def uuid(self, gpu: int) -> str:
+    @staticmethod
+    def uuid(gpu: int) -> str:
         return f"{UUID[:-2]}{gpu:02d}"
 
-    def add(self, name: str, gpu: int = 0, **params: int) -> None:
-        """Register a container (`add` through inst_ctl) and create its region."""
-        extra = " ".join(f"{k}={v}" for k, v in params.items())
-        treefs.inst_ctl(self.root, f"add {gpu} {name} {extra}".rstrip())
-        self.regions[name] = region_mod.Region.create(
-            region_mod.region_path(name, self.region_dir), name,
-            [region_mod.GpuSpec(params.get("memsize", 0), self.uuid(gpu), gpu, 0)],
-        )
+    def echo(self, relpath: str, value: int) -> None:
+        """`echo VALUE > TREE/relpath`."""
+        (self.root / relpath).write_text(f"{value}\n")
 
-    def start(self, name: str, procs: int = 1, us: int = 1000) -> None:
-        """`procs` processes of container `name`, each launching `us`-microsecond kernels."""
-        env = {**self.env, "LD_PRELOAD": str(LIBCGPU),
-               "CGPU_REGION": str(region_mod.region_path(name, self.region_dir))}
-        gpu = self.regions[name].gpu_spec(0).host_index
-        for _ in range(procs):
-            self.workloads.setdefault(name, []).append(subprocess.Popen(
-                [str(WORKLOAD), "--device", str(gpu), "--stream", "--kernels", "100000000",
-                 "--us", str(us)],
-                env=env,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))
-
-    def stop(self, name: str) -> None:
-        for proc in self.workloads.pop(name, []):
-            proc.kill()
-            proc.wait()
+    # -- the daemon --
 
     def start_daemon(self, period: float = 0.02, *extra: str) -> None:
+        """Start `cgpu-daemon` and wait until it has published its first snapshot."""
         (self.state_dir / "snapshot.json").unlink(missing_ok=True)
         with (self.tmp / "daemon.log").open("ab") as log:
             self.daemon = subprocess.Popen(
@@ -105,8 +114,7 @@ class SimNode:
                 env=self.env, stdout=log, stderr=log,
             )
         deadline = time.monotonic() + 30
-        snapshot = self.state_dir / "snapshot.json"
-        while not snapshot.exists():
+        while not (self.state_dir / "snapshot.json").exists():
             if self.daemon.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"cgpu-daemon did not start: {self.daemon_log()}")
             time.sleep(0.05)
@@ -121,71 +129,73 @@ class SimNode:
             self.daemon.wait(timeout=30)
             self.daemon = None
 
-    def measure(self, seconds: float, gpu: int = 0) -> dict[str, float]:
-        """Share of GPU time per container over the next `seconds` (independent meter)."""
-        result = subprocess.run(
-            [sys.executable, "-m", "tests.daemon.simbox", "meter", str(seconds), str(gpu)],
-            env=self.env, capture_output=True, text=True, timeout=seconds + 60, check=True,
-            cwd=REPO,
-        )
-        busy = {int(pid): value for pid, value in json.loads(result.stdout).items()}
-        shares = {}
-        for name, procs in self.workloads.items():
-            shares[name] = sum(busy.get(p.pid, 0.0) for p in procs) / seconds
-        return shares
-
     def daemon_cpu_seconds(self) -> float:
         """user+system CPU time the running daemon has used so far."""
         assert self.daemon is not None
         fields = Path(f"/proc/{self.daemon.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def close(self, unregister: bool = False) -> None:
-        for name in list(self.workloads):
+    # -- containers --
+
+    def cgpu_run(self, name: str, command: list[str], *, gpu: int = 0,
+                 weight: int | None = None, highprio: bool = False,
+                 util_limit: int | None = None, stdin: int | IO[bytes] | None = None,
+                 stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+        """`cgpu-run --name NAME --gpu G [...] -- COMMAND`, in its own process group."""
+        args = [str(VENV_BIN / "cgpu-run"), "--root", str(self.root), "--name", name,
+                "--gpu", str(gpu)]
+        if weight is not None:
+            args += ["--weight", str(weight)]
+        if highprio:
+            args.append("--highprio")
+        if util_limit is not None:
+            args += ["--util-limit", str(util_limit)]
+        with (self.tmp / f"{name}.log").open("ab") as log:
+            process = subprocess.Popen([*args, "--", *command], env=self.env, stdin=stdin,
+                                       stdout=stdout if stdout is not None else log,
+                                       stderr=log, start_new_session=True)
+        self.containers[name] = process
+        return process
+
+    def idle(self, name: str, gpu: int = 0, *, weight: int | None = None) -> None:
+        """A registered container that runs nothing on the GPU."""
+        self.cgpu_run(name, ["sleep", "86400"], gpu=gpu, weight=weight)
+        self.wait_registered(name, gpu)
+
+    def wait_registered(self, name: str, gpu: int = 0, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.root / str(gpu) / name / "weight").exists():
+            process = self.containers.get(name)
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"cgpu-run {name} exited: {self.log(name)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} was not registered on GPU {gpu} in {timeout} s")
+            time.sleep(0.02)
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self, name: str, timeout: float = 15) -> None:
+        """SIGTERM to `cgpu-run` (it forwards it and cleans up); SIGKILL to its group after."""
+        process = self.containers.pop(name, None)
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    def close(self) -> None:
+        for name in list(self.containers):
             self.stop(name)
         if self.daemon is not None and self.daemon.poll() is None:
             self.kill_daemon(signal.SIGTERM)
-        for name, region in self.regions.items():
-            region.close()
-            if unregister:
-                treefs.inst_ctl(self.root, f"del {name}")
-                region_mod.Region.remove(region.path)
-        self.regions.clear()
-
-
-def meter(seconds: float, gpu: int, window: float = 0.1) -> dict[int, float]:
-    """GPU busy seconds per pid over `seconds`, from simgpu's NVML in `window` steps."""
-    import pynvml
-
-    from cgpu_km.gpus import load_simgpu
-
-    load_simgpu()
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
-    busy: dict[int, float] = {}
-
-    def read(last: int) -> int:
-        try:
-            samples = pynvml.nvmlDeviceGetProcessUtilization(handle, last)
-        except pynvml.NVMLError:
-            return last
-        stamp = last
-        for sample in samples:
-            stamp = max(stamp, int(sample.timeStamp))
-            if last:
-                share = int(sample.smUtil) / 100.0
-                busy[int(sample.pid)] = busy.get(int(sample.pid), 0.0) + share * (
-                    int(sample.timeStamp) - last) / 1e6
-        return stamp
-
-    last = read(0)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        time.sleep(min(window, max(0.0, end - time.monotonic())))
-        last = read(last)
-    return busy
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["meter"]:
-        print(json.dumps(meter(float(sys.argv[2]), int(sys.argv[3]))))

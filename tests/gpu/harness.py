@@ -292,7 +292,11 @@ class Nvml:
 
 
 class Meter:
-    """GPU busy seconds per pid over a window, integrated from NVML's process samples."""
+    """GPU busy seconds per pid over a window, integrated from NVML's process samples.
+
+    NVML samples each process on its own timestamps: a sample covers the time
+    since that process's previous sample (not since the newest of anyone's),
+    and a process's first sample in the window only sets where it starts."""
 
     def __init__(self, nvml: Nvml | None) -> None:
         self.nvml = nvml
@@ -310,13 +314,15 @@ class Meter:
 
     def _run(self) -> None:
         assert self.nvml is not None
-        _, last = self.nvml.busy_since(0)
+        rows, last = self.nvml.busy_since(0)
+        since = {pid: when for pid, when, _sm in rows}
         while not self._stop.wait(0.2):
-            rows, newest = self.nvml.busy_since(last)
-            for pid, when, sm in rows:
-                if when > last:
-                    self.busy[pid] = self.busy.get(pid, 0.0) + sm / 100 * (when - last) / 1e6
-            last = newest
+            rows, last = self.nvml.busy_since(last)
+            for pid, when, sm in sorted(rows, key=lambda row: row[1]):
+                before = since.get(pid)
+                if before is not None and when > before:
+                    self.busy[pid] = self.busy.get(pid, 0.0) + sm / 100 * (when - before) / 1e6
+                since[pid] = max(when, before or 0)
 
     def stop(self) -> dict[int, float]:
         if self._thread is not None:
@@ -359,16 +365,18 @@ def section_memory(cfg: Config) -> None:
                                        str(status)])
         wait_files(procs, [status / "holding.json"], 180, "memory probe")
         report = json.loads((status / "holding.json").read_text())
-        pid = int(report["pid"])
         meminfo: dict[int, int] = {}
         from_nvml: dict[int, int] = {}
         deadline = time.monotonic() + 10  # the daemon feeds meminfo every 0.5 s
         while time.monotonic() < deadline:
             meminfo = read_meminfo(cfg, name)
             from_nvml = nvml.process_memory() if nvml is not None else {}
-            if pid in meminfo and meminfo.get(pid) == from_nvml.get(pid):
+            # The probe runs in a pid namespace of its own: the daemon's meminfo
+            # names its host pid (the kernel's attribution), as NVML does.
+            if len(meminfo) == 1 and all(from_nvml.get(p) == v for p, v in meminfo.items()):
                 break
             time.sleep(0.25)
+        report["host_pid"] = next(iter(meminfo), int(report["pid"]))
         (status / "release").touch()
         status_code = procs.wait(child, 60)
     report_memory(cfg, limit, report, meminfo, from_nvml)
@@ -378,7 +386,7 @@ def section_memory(cfg: Config) -> None:
 
 def report_memory(cfg: Config, limit: int, report: dict[str, Any], meminfo: dict[int, int],
                   from_nvml: dict[int, int]) -> None:
-    pid = int(report["pid"])
+    pid = int(report["host_pid"])
     seen = report["mem_get_info"]
     inside = report["nvml_inside"]
     smi, smi_holding = report["nvidia_smi_inside"], report["nvidia_smi_holding"]
@@ -400,7 +408,8 @@ def report_memory(cfg: Config, limit: int, report: dict[str, Any], meminfo: dict
     ]
     if "torch_reserved" in report:
         rows.append(["torch memory_reserved() when holding", "", mib(report["torch_reserved"])])
-    emit(cfg, f"\n### 1. Memory: limit {mib(limit)} on GPU 0 (pid {pid})\n")
+    emit(cfg, f"\n### 1. Memory: limit {mib(limit)} on GPU 0 (pid {report['pid']} in its "
+              f"container, {pid} on the host)\n")
     emit(cfg, table(["what", "expected", "seen"], rows))
     in_meminfo, in_nvml = meminfo.get(pid), from_nvml.get(pid)
     others = {p: v for p, v in from_nvml.items() if p != pid}
@@ -503,14 +512,23 @@ def run_phases(cfg: Config, procs: Processes, sync: Path, plan: list[Phase],
         os.replace(sync / f".go-{index}", sync / f"go-{index}")
         time.sleep(max(0.0, start - time.time()))
         meter.start()
+        before = gpu_times(cfg.daemon_snapshot() or {})
         time.sleep(cfg.window)
         busy = meter.stop()
+        after = gpu_times(cfg.daemon_snapshot() or {})
         wait_files(procs, [sync / f"result-{index}-{w}" for w in phase.workers],
                    cfg.window + 120, f"phase {index} results", failed)
         row = {}
         for worker in phase.workers:
             result = json.loads((sync / f"result-{index}-{worker}").read_text())
-            result["gpu_seconds"] = busy.get(int(result["pid"])) if nvml is not None else None
+            name = container_name(worker)
+            # NVML's pids are the host's; the worker runs in a pid namespace of its
+            # own: the daemon's meminfo says which host pids are that container's.
+            pids = set(read_meminfo(cfg, name)) or {int(result["pid"])}
+            result["gpu_seconds"] = (sum(busy.get(pid, 0.0) for pid in pids)
+                                     if nvml is not None else None)
+            result["daemon_seconds"] = (after[name] - before[name]
+                                        if name in before and name in after else None)
             result["void"] = cfg.daemon_restarts() != restarts
             row[worker] = result
         results.append(row)
@@ -558,13 +576,16 @@ def ratio_row(batch: int, results: dict[str, dict[str, Any]], target: float | No
     a, b = float(slow["images_per_s"]), float(fast["images_per_s"])
     ratio = b / a if a > 0 else float("inf")
     error = (ratio / target - 1) if target else None
-    time_a, time_b = slow.get("gpu_seconds"), fast.get("gpu_seconds")
-    gpu_time = f"1:{time_b / time_a:.2f}" if time_a and time_b else "-"
+    def one_to(key: str) -> str:
+        time_a, time_b = slow.get(key), fast.get(key)
+        return f"1:{time_b / time_a:.2f}" if time_a and time_b else "-"
+
     shown = f"{error * 100:+.1f}%" if error is not None else "-"
     if slow.get("void") or fast.get("void"):
         error, shown = None, "void: daemon restarted"
     return ([str(batch), f"{a:.1f}", f"{b:.1f}", f"1:{ratio:.3f}",
-             f"1:{target:g}" if target else "-", shown, gpu_time], error)
+             f"1:{target:g}" if target else "-", shown, one_to("daemon_seconds"),
+             one_to("gpu_seconds")], error)
 
 
 def describe_workload(cfg: Config, results: list[dict[str, dict[str, Any]]]) -> str:
@@ -597,7 +618,7 @@ def report_compute(cfg: Config, plan: list[Phase], results: Results) -> None:
         emit(cfg, f"\n(compute: only {len(results)} of {len(plan)} phases measured)")
     workload = describe_workload(cfg, results)
     header = ["batch", "weight 1 img/s", "weight 2 img/s", "ratio", "target", "error",
-              "GPU time (NVML)"]
+              "GPU time (daemon)", "GPU time (NVML)"]
     for policy in cfg.policies:
         target = {2: 2.0, 1: 1.0}.get(policy)
         rows = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,10 @@ def make_bundle(tmp_path: Path, env: dict[str, str]) -> Path:
 
 def run_hook(monkeypatch: pytest.MonkeyPatch, root: Path, command: str, bundle: Path,
              container_id: str = CONTAINER_ID) -> int:
-    state = {"ociVersion": "1.0.2", "id": container_id, "status": "created", "pid": 1,
-             "bundle": str(bundle)}
+    # A process whose identity can be read: this one (nothing is injected into it:
+    # its mount namespace is the hook's own).
+    state = {"ociVersion": "1.0.2", "id": container_id, "status": "created",
+             "pid": os.getpid(), "bundle": str(bundle)}
     monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(state)))
     return hook.main(["--root", str(root), command])
 
@@ -178,7 +181,7 @@ def test_a_later_step_failing_undoes_registration(control_tree: Path, tmp_path: 
     monkeypatch.setattr(hook, "PRESTART_STEPS", [hook.register_on_gpus, failing_step])
     bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "1"})
     assert run_hook(monkeypatch, control_tree, "prestart", bundle) == 1
-    assert seen == [(1, 4)]
+    assert seen == [(os.getpid(), 4)]
     assert registered(control_tree) == {k: {} for k in range(4)}
 
 

@@ -45,6 +45,7 @@ def registry(known_snapshot: Snapshot) -> CollectorRegistry:
         ("cgpu_container_weight", ABC, 2),
         ("cgpu_container_highprio", ABC, 0),
         ("cgpu_container_processes", ABC, 2),
+        ("cgpu_container_unmanaged_processes", ABC, 1),
         ("cgpu_container_util_limit_ratio", TRAIN, 0.5),
         ("cgpu_container_util_limit_ratio", ABC, 0),
         ("cgpu_container_memory_limit_bytes", TRAIN, 15109 << 20),
@@ -101,7 +102,8 @@ def test_every_family_is_exported_with_its_declared_type(registry: CollectorRegi
 
 UNIT_SUFFIXES = ("_bytes", "_seconds", "_seconds_total", "_ratio", "_total", "_info")
 UNITLESS = {"cgpu_gpu_policy", "cgpu_gpu_max_inst", "cgpu_gpu_free_weight",
-            "cgpu_container_weight", "cgpu_container_highprio", "cgpu_container_processes"}
+            "cgpu_container_weight", "cgpu_container_highprio", "cgpu_container_processes",
+            "cgpu_container_unmanaged_processes"}
 
 
 @pytest.mark.parametrize("spec", METRICS, ids=lambda s: s.name)

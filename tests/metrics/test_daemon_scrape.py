@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from cgpu_km import region, treefs
 from cgpu_km.snapshot import read_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,13 +49,12 @@ class Node:
         }
         self.state_dir = tmp / "daemon"
         self.processes: list[subprocess.Popen[bytes]] = []
-        treefs.inst_ctl(root, f"add 0 job1 memsize={LIMIT} weight=2")
-        path = region.region_path("job1", tmp / "regions")
-        self.region = region.Region.create(path, "job1", [region.GpuSpec(LIMIT, UUID, 0, 0)])
+        # A container as cgpu-run makes one: registered, its region, its identity.
         self.workload = self._start(
-            [str(WORKLOAD), "--device", "0", "--alloc", str(ALLOC), "--stream",
-             "--kernels", "100000000", "--us", "2000"],
-            {"LD_PRELOAD": str(LIBCGPU), "CGPU_REGION": str(path)})
+            [str(VENV_BIN / "cgpu-run"), "--root", str(root), "--name", "job1", "--memsize",
+             str(LIMIT), "--weight", "2", "--", str(WORKLOAD), "--device", "0", "--alloc",
+             str(ALLOC), "--stream", "--kernels", "100000000", "--us", "2000"],
+            {"CGPU_REGION_DIR": str(tmp / "regions")})
         self.log = tmp / "daemon.log"
         self.daemon = self._start(
             [str(VENV_BIN / "cgpu-daemon"), "--root", str(root), "--state-dir",
@@ -92,7 +90,6 @@ class Node:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        self.region.close()
 
 
 def _missing() -> str | None:
@@ -154,4 +151,8 @@ def test_prometheus_scrapes_the_daemon(node: Node, start_prometheus: Callable[[s
          str(node.state_dir)], env=node.env, capture_output=True, text=True, timeout=30,
         check=True).stdout
     assert f"Daemon: running (pid {node.daemon.pid}" in smi
-    assert f"| {node.workload.pid} |" in smi
+    gpu_pids = [int(line.split()[1]) for line in
+                (node.root / "0" / "job1" / "meminfo").read_text().splitlines()
+                if line.startswith("PID:")]
+    assert len(gpu_pids) == 1, "the job's one GPU process, as the kernel attributes it"
+    assert f"| {gpu_pids[0]} |" in smi

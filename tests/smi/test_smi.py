@@ -104,8 +104,8 @@ def test_daemon_up_shows_live_figures(known_tree: Path, state: Path,
          "0.0s", "0.0s", "0"],
     ]
     assert process_table(out) == [
-        ["0", "abc123def456", "4242", "1024MiB"],
-        ["0", "abc123def456", "4243", "512MiB"],
+        ["0", "abc123def456", "4242", "1024MiB", "yes"],
+        ["0", "abc123def456", "4243", "512MiB", "BYPASSED"],
     ]
 
 
@@ -183,8 +183,8 @@ def test_json_has_the_same_data(known_tree: Path, state: Path,
     abc = gpu0["containers"][0]
     assert abc["name"] == "abc123def456"
     assert abc["memory_limit_bytes"] == 6337173913
-    assert abc["processes"] == [{"pid": 4242, "memory_bytes": 1 << 30},
-                                {"pid": 4243, "memory_bytes": 512 << 20}]
+    assert abc["processes"] == [{"pid": 4242, "memory_bytes": 1 << 30, "managed": True},
+                                {"pid": 4243, "memory_bytes": 512 << 20, "managed": False}]
     assert abc["target_share"] == 0.2
     only = json.loads(run_smi(known_tree, state, "--json", "-i", UUID1).stdout)
     assert [g["index"] for g in only["gpus"]] == [1]

@@ -1,0 +1,69 @@
+"""sharework: the counting workload of the share measurements, on simgpu alone."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+from tests.bench.shares import count, parse_report
+
+if TYPE_CHECKING:  # the fixture's type; conftest is not importable under importlib mode
+    from conftest import SimHost
+
+
+def sharework(sim: SimHost, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([str(sim.lib_dir / "sharework"), *args], env=sim.env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_it_counts_what_the_gpu_can_complete(sim: SimHost) -> None:
+    out = subprocess.run([str(sim.lib_dir / "sharework"), "--us", "1000", "--seconds", "1.5",
+                          "--procs", "3"], env=sim.env(), capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    assert out.startswith("ready pid=")
+    got = parse_report(out)
+    # One engine, 1 ms kernels back to back: at most 1500 in 1.5 s, and no idle gaps.
+    assert 1440 <= got.kernels <= 1500
+    assert len(got.per_proc) == 3
+    assert all(n >= 400 for n in got.per_proc)
+    assert max(got.buckets) <= 11  # 10 ms buckets of 1 ms kernels
+    assert count(got, got.t0 + 0.5, got.t0 + 1.5) in range(970, 1001)
+
+
+def test_go_with_a_time_gives_the_shared_start(sim: SimHost) -> None:
+    work = sharework(sim, "--us", "5000", "--seconds", "0.5", "--go-stdin")
+    assert work.stdout is not None
+    assert work.stdout.readline().startswith("ready ")
+    at = time.monotonic() + 0.3
+    out, err = work.communicate(f"go {at:.9f}\n", timeout=30)
+    got = parse_report(out)
+    assert got.t0 == round(at, 9)
+    assert 95 <= got.kernels <= 100, err
+
+
+def test_sigterm_stops_it_early_with_its_counts(sim: SimHost) -> None:
+    work = sharework(sim, "--us", "2000", "--seconds", "60", "--procs", "2")
+    assert work.stdout is not None
+    assert work.stdout.readline().startswith("ready ")
+    time.sleep(0.5)
+    work.send_signal(signal.SIGTERM)
+    out, _ = work.communicate(timeout=10)
+    assert work.returncode == 0
+    got = parse_report(out)
+    assert 100 <= got.kernels <= 400
+    assert sum(got.buckets[200:]) == 0  # nothing after the first 2 s
+
+
+def test_bad_arguments_and_driver_errors(sim: SimHost) -> None:
+    usage = sharework(sim, "--us", "10")  # no --seconds
+    _, err = usage.communicate(timeout=10)
+    assert usage.returncode == 2
+    assert err.startswith("usage: sharework")
+    bad = sharework(sim, "--us", "10", "--seconds", "1", "--device", "7")
+    _, err = bad.communicate(timeout=10)
+    assert bad.returncode == 1
+    assert "cuDeviceGet: CUDA_ERROR_INVALID_DEVICE" in err
+    assert "exited before it was ready" in err
