@@ -10,8 +10,8 @@ records how to undo what it did, and when a step fails everything done so
 far is undone, so a failed start leaves nothing behind. A second prestart of
 the same container (started again without its poststop) replaces what the
 first registered (cgpu_km.claims). `poststop` runs POSTSTOP_STEPS, each
-idempotent, unless another container holds the id. Errors are one line on stderr; a bad
-environment value exits 2, any other failure 1.
+idempotent, unless another container holds the id. Errors are one line on
+stderr; a bad environment value exits 2, any other failure 1.
 """
 
 from __future__ import annotations
