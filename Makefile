@@ -5,7 +5,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Packages every part of the test suite needs; kmod/Makefile adds its own.
-APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd kmod util-linux gcc make
+# Container engines for tests/containers and make demo: docker.io (with containerd,
+# iptables, tini), podman (without recommends: no fuse3, which would replace fuse);
+# python3-venv for the dev venv and cgpu-node's prefix; libc6-dev: gcc without its
+# recommends has no C headers, procps: /bin/kill for the units (both found in a fresh
+# debootstrap root).
+APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd kmod util-linux gcc libc6-dev make \
+	procps python3 python3-venv docker.io containerd podman iptables
 
 C_DIRS := simgpu libcgpu
 

@@ -1,17 +1,22 @@
-"""`make demo`: the whole system on this host, shown step by step.
+"""`make demo`: the cGPU documents' Docker commands on this host, on a simulated GPU.
 
-On a simulated Tesla T4 (15109 MiB, as in the cGPU documents): the control
-tree served by cgpu-fuse, the daemon, and two real runc containers that ask
-for 6/15 and 8/15 of the GPU's memory at compute weights 1:2, each running
-a simulated workload under libcgpu.  It shows the tree's view, the limits
-seen inside the containers, the achieved GPU-time ratio under the weighted
-policy, a live policy change, and cleans everything up.
+A simulated Tesla T4 (15109 MiB): the control tree served by cgpu-fuse, the
+daemon, and a Docker engine of the demo's own (cgpu_km.dockerd) with the
+runtime registered by `cgpu-node install --nvidia-name`, so the documents'
+`docker run --runtime=nvidia` commands run word for word; only the image
+differs (busybox and simgpu's `cuworkload`, which counts the kernels it
+completes). It shows gpu_test1 and gpu_test2, `nvidia-smi` inside them,
+`cat`/`echo` on their weight, policy 2's throughput ratio measured in the
+workloads, cgpu-smi, the eGPU documents' containers (a 5000000000-byte
+limit; GPU_UTIL_PER_DEVICE=33), then a host with four GPUs and the
+3,4,5,6/23 container. It uses only the user-facing programs and the tree.
+Everything is removed at the end: containers, engine, image, tree,
+configuration (cgpu-node uninstall).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -22,40 +27,36 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cgpu_km.snapshot import read_snapshot
+from cgpu_km import paths
+from cgpu_km.dockerd import DockerError, PrivateDocker
+from cgpu_km.image import ImageError, build_rootfs, rootfs_tar
+from cgpu_km.oci.settings import CONFIG_ENV
 
-REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SIMGPU = REPO / "simgpu"
-LIBCGPU = REPO / "libcgpu" / "libcgpu.so"
-WORKLOAD = SIMGPU / "cuworkload"
-T4_BYTES = 15109 << 20
+MIB = 1 << 20
 T4 = "Tesla T4:15109MiB:GPU-7e4b0c2a-5d13-4f6e-8a90-3c1d2e4f5a6b"
+A10 = ",".join(f"NVIDIA A10:23028MiB:GPU-a10a10a1-0000-4000-8000-00000000000{i}"
+               for i in range(4))
 KERNEL_US = 2000
+REPORT_EVERY = 25
 WINDOW_S = 6.0
+IMAGE = "cgpu-demo"
+WORKLOAD = ["cuworkload", "--alloc", "1GiB", "--stream", "--kernels", "1000000000", "--us",
+            str(KERNEL_US), "--report", str(REPORT_EVERY)]
+DOC_RUN = "docker run -d -t --runtime=nvidia"
 
 
 def step(title: str) -> None:
     print(f"\n=== {title}", flush=True)
 
 
-def shell(command: str, cwd: Path) -> str:
-    """Run one operator command, show it with its output, and return the output."""
-    print(f"$ {command}", flush=True)
-    result = subprocess.run(
-        ["bash", "-c", command], cwd=cwd, text=True, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    sys.stdout.write(result.stdout)
-    sys.stdout.flush()
-    return result.stdout
-
-
 @dataclass
 class Host:
-    """Where this demo keeps its simulated host: tree, regions, state."""
+    """A simulated GPU host: its tree, regions, daemon state and simgpu state."""
 
     folder: Path
+    devices: str
+    gpus: int
 
     @property
     def root(self) -> Path:
@@ -66,224 +67,261 @@ class Host:
         return {
             **os.environ,
             "CGPU_SIMULATE": "1",
-            "CGPU_SIMGPU_DIR": str(SIMGPU),
+            "CGPU_SIMGPU_DIR": str(paths.simgpu_dir()),
             "CGPU_KM_ROOT": str(self.root),
             "CGPU_REGION_DIR": str(self.folder / "regions"),
             "CGPU_STATE_DIR": str(self.folder / "daemon"),
-            "SIMGPU_DEVICES": T4,
+            "SIMGPU_DEVICES": self.devices,
             "SIMGPU_STATE": str(self.folder / "simgpu-state"),
             "SIMGPU_CONTEXT_MEM": "0",
         }
 
 
-def wait_for(
-    what: str, ready: Callable[[], object], process: subprocess.Popen[bytes], timeout: float = 20
-) -> None:
+def wait_for(what: str, ready: Callable[[], object], process: subprocess.Popen[bytes] | None,
+             timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"demo: {what} did not start (see the log above)")
+        if (process is not None and process.poll() is not None) or time.monotonic() > deadline:
+            raise SystemExit(f"demo: {what} did not start")
         time.sleep(0.05)
 
 
 @contextlib.contextmanager
 def service(host: Host, name: str, args: list[str], ready: Callable[[], object]) -> Iterator[None]:
     """A background program of the host, stopped with SIGTERM at the end."""
-    log = (host.folder / f"{name}.log").open("wb")
-    process = subprocess.Popen(args, env=host.env, stdout=log, stderr=subprocess.STDOUT)
+    with (host.folder / f"{name}.log").open("wb") as log:
+        process = subprocess.Popen(args, env=host.env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(name, ready, process)
         yield
     finally:
         process.terminate()
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        log.close()
-
-
-def shared_libraries(binary: Path) -> set[Path]:
-    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
-    return {Path(word) for line in out.splitlines() for word in line.split()[:3]
-            if word.startswith("/")}
-
-
-def make_rootfs(rootfs: Path) -> None:
-    """busybox, the workload with the libraries it links, and simgpu's libcuda."""
-    for folder in ("bin", "proc", "dev", "sys", "tmp", "etc", "run"):
-        (rootfs / folder).mkdir(parents=True, exist_ok=True)
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        raise SystemExit("demo: busybox is missing (apt-get install busybox-static)")
-    shutil.copy2(busybox, rootfs / "bin" / "busybox")
-    for applet in ("sh", "cat", "sleep"):
-        (rootfs / "bin" / applet).symlink_to("busybox")
-    shutil.copy2(WORKLOAD, rootfs / "bin" / "cuworkload")
-    libraries = shared_libraries(WORKLOAD) | shared_libraries(LIBCGPU)
-    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        libraries |= shared_libraries(SIMGPU / name)
-    for library in libraries:
-        if SIMGPU in library.parents:
-            continue
-        target = rootfs / str(library).lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(library.resolve(), target)
-    gpu_libraries = rootfs / "usr" / "lib" / "x86_64-linux-gnu"
-    gpu_libraries.mkdir(parents=True, exist_ok=True)
-    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        shutil.copy2(SIMGPU / name, gpu_libraries / name)
-
-
-def make_bundle(host: Host, name: str, rootfs: Path, env: dict[str, str]) -> Path:
-    """An OCI bundle whose prestart/poststop hooks are cgpu-hook."""
-    bundle = host.folder / f"bundle-{name}"
-    bundle.mkdir()
-    subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True)
-    config = json.loads((bundle / "config.json").read_text())
-    config["root"] = {"path": str(rootfs), "readonly": False}
-    config["process"]["terminal"] = False
-    command = (f"cuworkload --alloc 1GiB --kernels 1000000 --us {KERNEL_US} --hold 600")
-    config["process"]["args"] = ["/bin/sh", "-c", command]
-    config["process"]["env"] = [
-        "PATH=/bin", "LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu", "NVIDIA_VISIBLE_DEVICES=0",
-        f"SIMGPU_DEVICES={T4}", "SIMGPU_STATE=/simgpu-state", "SIMGPU_CONTEXT_MEM=0",
-        *(f"{key}={value}" for key, value in env.items()),
-    ]
-    config["mounts"].append({"destination": "/simgpu-state", "type": "bind",
-                             "source": host.env["SIMGPU_STATE"], "options": ["bind", "rw"]})
-    hook_env = [f"{key}={host.env[key]}" for key in (
-        "PATH", "CGPU_SIMULATE", "CGPU_SIMGPU_DIR", "CGPU_REGION_DIR", "SIMGPU_DEVICES",
-        "SIMGPU_STATE", "SIMGPU_CONTEXT_MEM")]
-    config["hooks"] = {
-        stage: [{"path": str(BIN / "cgpu-hook"),
-                 "args": ["cgpu-hook", "--root", str(host.root), stage],
-                 "env": hook_env, "timeout": 60}]
-        for stage in ("prestart", "poststop")
-    }
-    (bundle / "config.json").write_text(json.dumps(config, indent=1))
-    return bundle
-
-
-def container_ready(log: Path) -> Callable[[], bool]:
-    """True once the workload in the container has printed its `ready` line."""
-    return lambda: "ready pid=" in log.read_text(errors="replace")
 
 
 @contextlib.contextmanager
-def containers(host: Host, specs: dict[str, dict[str, str]]) -> Iterator[list[str]]:
-    """Run one runc container per spec (name -> environment) for the block."""
-    rootfs = host.folder / "rootfs"
-    make_rootfs(rootfs)
-    running: dict[str, subprocess.Popen[bytes]] = {}
+def simulated_host(host: Host) -> Iterator[None]:
+    """cgpu-fuse and cgpu-daemon on the host's simulated GPUs."""
+    host.root.mkdir(parents=True)
+    total = host.devices.split(",")[0].split(":")[1].removesuffix("MiB")
+    fuse = [str(BIN / "cgpu-fuse"), "--root", str(host.root), "--gpus", str(host.gpus),
+            "--gpu-memory", ",".join([str(int(total) * MIB)] * host.gpus)]
+    daemon = [str(BIN / "cgpu-daemon"), "--root", str(host.root), "--period", "0.05"]
     try:
-        for name, env in specs.items():
-            bundle = make_bundle(host, name, rootfs, env)
-            log = (host.folder / f"{name}.log").open("wb")
-            running[name] = subprocess.Popen(
-                ["runc", "run", "--bundle", str(bundle), name], stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT)
-            log.close()
-        for name, process in running.items():
-            wait_for(f"container {name}", container_ready(host.folder / f"{name}.log"), process)
-        yield list(running)
+        with service(host, "cgpu-fuse", fuse, lambda: os.path.ismount(host.root)), \
+                service(host, "cgpu-daemon", daemon,
+                        (host.folder / "daemon" / "snapshot.json").exists):
+            yield
     finally:
-        for name, process in running.items():
-            subprocess.run(["runc", "kill", name, "KILL"], capture_output=True)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=15)
-            subprocess.run(["runc", "delete", "--force", name], capture_output=True)
+        if os.path.ismount(host.root):
+            subprocess.run(["fusermount", "-u", "-z", str(host.root)], check=False)
 
 
-def gpu_seconds(host: Host) -> dict[str, float]:
-    snapshot = read_snapshot(host.folder / "daemon" / "snapshot.json")
-    if snapshot is None:
-        raise SystemExit("demo: the daemon published no snapshot")
-    return {c.name: c.gpu_time_seconds for c in snapshot.containers}
+class Operator:
+    """Runs the commands the way an operator types them, and shows them."""
+
+    def __init__(self, docker: PrivateDocker, host: Host) -> None:
+        self.docker = docker
+        self.host = host
+
+    def env(self) -> dict[str, str]:
+        # The engine's own docker client first (/usr/bin), the project's programs before it.
+        path = f"{BIN}:/usr/sbin:/usr/bin:/sbin:/bin:{os.environ.get('PATH', '')}"
+        return {**self.docker.env, **self.host.env, "PATH": path}
+
+    def shell(self, command: str) -> str:
+        """Run it with bash and show it with its output; a failure ends the demo."""
+        print(f"$ {command}", flush=True)
+        result = subprocess.run(["bash", "-o", "pipefail", "-c", command], env=self.env(),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        if result.returncode != 0:
+            raise SystemExit(f"demo: the command above failed (exit status {result.returncode})")
+        return result.stdout
 
 
-def measure(host: Host, names: list[str]) -> dict[str, float]:
-    """GPU seconds each container got per second of wall time, over one window."""
-    before, start = gpu_seconds(host), time.monotonic()
+def progress(docker: PrivateDocker, name: str) -> tuple[int, float] | None:
+    """(kernels completed, the workload's milliseconds), from its last report."""
+    for line in reversed(docker.docker("logs", "--tail", "3", name).stdout.splitlines()):
+        fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        if line.startswith("kernels=") and "ms" in fields:
+            return int(fields["kernels"]), float(fields["ms"])
+    return None
+
+
+def rates(docker: PrivateDocker, names: list[str]) -> dict[str, float]:
+    """Kernels per second each workload completed over one window (its own count)."""
+    deadline = time.monotonic() + 30
+    first = {n: progress(docker, n) for n in names}
+    while any(v is None for v in first.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        first = {n: progress(docker, n) for n in names}
     time.sleep(WINDOW_S)
-    after, elapsed = gpu_seconds(host), time.monotonic() - start
-    return {n: (after.get(n, 0.0) - before.get(n, 0.0)) / elapsed for n in names}
-
-
-def show_ratio(shares: dict[str, float], names: list[str], target: float) -> None:
-    first, second = (shares[n] for n in names)
-    ratio = second / first if first else float("inf")
+    result = {}
     for name in names:
-        print(f"  {name}: {shares[name] * 100:5.1f}% of the GPU "
-              f"({shares[name] * 1e6 / KERNEL_US:6.1f} kernels/s)")
-    print(f"  throughput ratio {names[1]}/{names[0]} = {ratio:.3f}   target {target:.3f}   "
-          f"error {abs(ratio - target) / target * 100:.1f}%", flush=True)
+        start, end = first[name], progress(docker, name)
+        if start is None or end is None or end[1] <= start[1]:
+            result[name] = 0.0
+        else:
+            result[name] = (end[0] - start[0]) / ((end[1] - start[1]) / 1000)
+    return result
+
+
+def show_rates(measured: dict[str, float]) -> None:
+    full = 1e6 / KERNEL_US
+    for name, rate in measured.items():
+        print(f"  {name}: {rate:6.1f} kernels/s = {rate / full * 100:5.1f}% of the GPU "
+              f"(counted by the workload, {KERNEL_US} us kernels)", flush=True)
+
+
+def show_ratio(measured: dict[str, float], names: tuple[str, str], target: float) -> None:
+    first, second = (measured[n] for n in names)
+    ratio = first / second if second else float("inf")
+    print(f"  throughput ratio {names[0]}/{names[1]} = {ratio:.3f}   target {target:.3f}   "
+          f"error {(ratio - target) / target * 100:+.1f}%", flush=True)
+
+
+def install(op: Operator, etc: Path, state: Path, host: Host) -> None:
+    op.shell(f"cgpu-node install --no-build --nvidia-name --engines docker --etc {etc} "
+             f"--bin-dir {host.folder.parent / 'bin'} --state-dir {state} "
+             f"--docker-pidfile {op.docker.pidfile} --no-services --tree-root {host.root} "
+             f"--simulate on --simgpu-state {host.env['SIMGPU_STATE']} "
+             f"--simgpu-devices '{host.devices}' --hook-env CGPU_REGION_DIR="
+             f"{host.env['CGPU_REGION_DIR']} --hook-env CGPU_HOOK_STATE_DIR="
+             f"{host.folder / 'claims'} --hook-env SIMGPU_CONTEXT_MEM=0 "
+             f"--prefix {host.folder.parent / 'opt'}")
+
+
+def one_gpu_part(op: Operator) -> None:
+    docker = op.docker
+    step("the cGPU document: two containers on the T4, 6/15 and 8/15 of its memory")
+    op.shell(f"{DOC_RUN} --name gpu_test1 -v /mnt:/mnt -e ALIYUN_COM_GPU_MEM_CONTAINER=6 "
+             f"-e ALIYUN_COM_GPU_MEM_DEV=15 {IMAGE}")
+    op.shell(f"{DOC_RUN} --name gpu_test2 -v /mnt:/mnt -e ALIYUN_COM_GPU_MEM_CONTAINER=8 "
+             f"-e ALIYUN_COM_GPU_MEM_DEV=15 {IMAGE}")
+    wait_for("the workloads", lambda: all(progress(docker, n) for n in ("gpu_test1",
+                                                                        "gpu_test2")), None)
+    op.shell("docker ps")
+    op.shell("docker exec -i gpu_test1 nvidia-smi")
+    op.shell("docker exec -i gpu_test2 nvidia-smi --query-gpu=index,name,memory.total,"
+             "memory.used --format=csv")
+    step("weights through the tree, with $dockerid as docker ps prints it")
+    op.shell("dockerid=$(docker ps -q --filter name=gpu_test1); echo $dockerid; "
+             "cat $CGPU_KM_ROOT/0/$dockerid/weight; echo 4 > $CGPU_KM_ROOT/0/$dockerid/weight; "
+             "cat $CGPU_KM_ROOT/0/$dockerid/weight; cat $CGPU_KM_ROOT/0/free_weight")
+    step("policy 2 (weight-based): GPU time follows the weights 4:1")
+    op.shell("echo 2 > $CGPU_KM_ROOT/0/policy; cat $CGPU_KM_ROOT/0/policy")
+    time.sleep(2)
+    measured = rates(docker, ["gpu_test1", "gpu_test2"])
+    show_rates(measured)
+    show_ratio(measured, ("gpu_test1", "gpu_test2"), 4.0)
+    op.shell("cgpu-smi")
+    step("live change to policy 1 (preemptive): active containers share 1:1")
+    op.shell("echo 1 > $CGPU_KM_ROOT/0/policy; cat $CGPU_KM_ROOT/0/policy")
+    time.sleep(2)
+    measured = rates(docker, ["gpu_test1", "gpu_test2"])
+    show_rates(measured)
+    show_ratio(measured, ("gpu_test1", "gpu_test2"), 1.0)
+    op.shell("docker rm -f gpu_test1 gpu_test2; ls $CGPU_KM_ROOT/0")
+
+    step("the eGPU document: a 5000000000-byte container (minus the 10 MiB reserve)")
+    op.shell("docker run -d --name egpu --runtime=nvidia -e NVIDIA_DRIVER_CAPABILITIES=all "
+             "-e AMP_VGPU_ENABLE=1 -e GPU_MEM_PER_DEVICE=5000000000 -e NVIDIA_VISIBLE_DEVICES=0 "
+             f"-e AMP_USE_HOST_DAEMON=1 {IMAGE}")
+    wait_for("egpu", lambda: progress(docker, "egpu"), None)
+    op.shell("docker exec egpu nvidia-smi --query-gpu=memory.total --format=csv; "
+             "docker logs egpu | head -2; echo expected total=$((5000000000 - 10*1024*1024))")
+    op.shell("docker rm -f egpu >/dev/null")
+    step("eGPU with GPU_UTIL_PER_DEVICE=33, alone on the GPU: held to a third")
+    op.shell("docker run -d --name util33 --runtime=nvidia -e AMP_VGPU_ENABLE=1 "
+             f"-e GPU_UTIL_PER_DEVICE=33 -e NVIDIA_VISIBLE_DEVICES=0 {IMAGE}; "
+             "cat $CGPU_KM_ROOT/0/$(docker ps -q --filter name=util33)/util_limit")
+    wait_for("util33", lambda: progress(docker, "util33"), None)
+    time.sleep(2)
+    show_rates(rates(docker, ["util33"]))
+    op.shell("docker rm -f util33 >/dev/null; ls $CGPU_KM_ROOT/0")
+
+
+def four_gpu_part(op: Operator) -> None:
+    step("four NVIDIA A10 (23028 MiB): ALIYUN_COM_GPU_MEM_CONTAINER=3,4,5,6 of "
+         "ALIYUN_COM_GPU_MEM_DEV=23")
+    op.shell(f"{DOC_RUN} --name gpu_test3 -e ALIYUN_COM_GPU_MEM_CONTAINER=3,4,5,6 "
+             f"-e ALIYUN_COM_GPU_MEM_DEV=23 -e NVIDIA_VISIBLE_DEVICES=0,1,2,3 {IMAGE}")
+    wait_for("gpu_test3", lambda: progress(op.docker, "gpu_test3"), None)
+    op.shell("docker exec gpu_test3 nvidia-smi --query-gpu=index,name,memory.total "
+             "--format=csv")
+    op.shell("for g in 0 1 2 3; do echo \"GPU $g: $(cat $CGPU_KM_ROOT/$g/*/memsize) bytes\"; "
+             "done")
+    op.shell("docker rm -f gpu_test3 >/dev/null")
 
 
 def check_prerequisites() -> None:
-    missing = [str(p.relative_to(REPO)) for p in (WORKLOAD, LIBCGPU, SIMGPU / "libcuda.so.1")
-               if not p.exists()]
-    if missing:
-        raise SystemExit(f"demo: not built: {', '.join(missing)} (run make build)")
-    if os.geteuid() != 0 or shutil.which("runc") is None:
-        raise SystemExit("demo: needs root and runc (make demo installs runc)")
+    if os.geteuid() != 0:
+        raise SystemExit("demo: needs root (docker, FUSE)")
+    for program in ("dockerd", "containerd", "runc", "busybox"):
+        if shutil.which(program) is None:
+            raise SystemExit(f"demo: {program} is missing (make demo installs it)")
 
 
 def main() -> int:
     check_prerequisites()
-    host = Host(Path(tempfile.mkdtemp(prefix="cgpu-demo-")))
-    host.folder.chmod(0o755)
-    host.root.mkdir()
-    fuse = [str(BIN / "cgpu-fuse"), "--root", str(host.root), "--gpus", "1",
-            "--gpu-memory", str(T4_BYTES)]
-    daemon = [str(BIN / "cgpu-daemon"), "--root", str(host.root), "--period", "0.05"]
-    snapshot = host.folder / "daemon" / "snapshot.json"
-    specs = {
-        "web-6g": {"ALIYUN_COM_GPU_MEM_CONTAINER": "6", "ALIYUN_COM_GPU_MEM_DEV": "15",
-                   "ALIYUN_COM_GPU_SCHD_WEIGHT": "1"},
-        "train-8g": {"ALIYUN_COM_GPU_MEM_CONTAINER": "8", "ALIYUN_COM_GPU_MEM_DEV": "15",
-                     "ALIYUN_COM_GPU_SCHD_WEIGHT": "2"},
-    }
+    top = Path(tempfile.mkdtemp(prefix="cgpu-demo-"))
+    top.chmod(0o755)
+    etc, state = top / "etc", top / "node-state"
+    (etc / "docker").mkdir(parents=True)
+    (etc / "docker" / "daemon.json").write_text("{}\n")
+    docker = PrivateDocker(top / "docker", config_file=etc / "docker" / "daemon.json",
+                           env={CONFIG_ENV: str(etc / "cgpu_km" / "runtime.toml")})
     try:
-        step("a simulated Tesla T4 (15109 MiB); the control tree served by cgpu-fuse")
-        with service(host, "cgpu-fuse", fuse, lambda: os.path.ismount(host.root)):
-            shell("ls -l", host.root)
-            shell("cat version 0/policy 0/max_inst 0/free_weight", host.root)
-            step("the daemon (trio) attaches to the tree and the GPU")
-            with service(host, "cgpu-daemon", daemon, snapshot.exists):
-                step("two runc containers: ALIYUN_COM_GPU_MEM_CONTAINER=6 and =8 of "
-                     "ALIYUN_COM_GPU_MEM_DEV=15, weights 1:2")
-                with containers(host, specs) as names:
-                    for name in names:
-                        print(f"{name} sees: " + (host.folder / f"{name}.log").read_text()
-                              .splitlines()[-1], flush=True)
-                    time.sleep(1)  # one meminfo feed from the daemon
-                    shell("ls 0; cat 0/free_weight", host.root)
-                    shell("for c in web-6g train-8g; do echo \"$c: memsize=$(cat 0/$c/memsize)"
-                          " weight=$(cat 0/$c/weight)\"; cat 0/$c/meminfo; done", host.root)
-                    step("policy 2 (weight-based): GPU time follows the weights 1:2")
-                    shell("echo 2 > 0/policy; cat 0/policy", host.root)
-                    time.sleep(2)
-                    show_ratio(measure(host, names), names, 2.0)
-                    subprocess.run([str(BIN / "cgpu-smi"), "--root", str(host.root)],
-                                   env=host.env, check=False)
-                    step("live change to policy 1 (preemptive): active containers share 1:1")
-                    shell("echo 1 > 0/policy; cat 0/policy", host.root)
-                    time.sleep(2)
-                    show_ratio(measure(host, names), names, 1.0)
-                step("containers stopped: the poststop hook removed them from the tree")
-                shell("ls 0; cat 0/free_weight", host.root)
-        step("daemon stopped, tree unmounted; done")
+        (top / "docker").mkdir()
+        (top / "image").mkdir()
+        build_rootfs(top / "image" / "rootfs")
+        (top / "image.tar").write_bytes(rootfs_tar(top / "image" / "rootfs"))
+        t4 = Host(top / "t4", T4, 1)
+        t4.folder.mkdir()
+        step("a simulated Tesla T4 (15109 MiB): the control tree (cgpu-fuse) and the daemon")
+        with simulated_host(t4):
+            op = Operator(docker, t4)
+            op.shell("ls $CGPU_KM_ROOT; cat $CGPU_KM_ROOT/version $CGPU_KM_ROOT/0/policy")
+            step("a Docker engine of the demo's own; cgpu-node registers the runtime, also "
+                 "under the name nvidia")
+            docker.start()
+            install(op, etc, state, t4)
+            op.shell("cat $DOCKER_CONFIG_FILE; docker info 2>/dev/null | grep -i runtimes"
+                     .replace("$DOCKER_CONFIG_FILE", str(etc / "docker" / "daemon.json")))
+            op.shell(f"docker import --change 'ENV PATH=/bin:/usr/bin' --change "
+                     f"'CMD {json_list(WORKLOAD)}' {top / 'image.tar'} {IMAGE} | cut -c1-19")
+            one_gpu_part(op)
+        a10 = Host(top / "a10", A10, 4)
+        a10.folder.mkdir()
+        step("a host with four GPUs: a new tree, and cgpu-node install again for it")
+        with simulated_host(a10):
+            op = Operator(docker, a10)
+            install(op, etc, state, a10)  # installing again: the new host's tree and simgpu
+            four_gpu_part(op)
+            step("uninstall: the configuration as it was, byte for byte")
+            op.shell(f"cgpu-node uninstall --state-dir {state}; "
+                     f"cat {etc / 'docker' / 'daemon.json'}")
+            op.shell("docker rmi cgpu-demo >/dev/null; docker ps -a")
+    except (DockerError, ImageError) as error:
+        raise SystemExit(f"demo: {error}") from None
     finally:
-        with contextlib.suppress(OSError):
-            if os.path.ismount(host.root):
-                subprocess.run(["fusermount", "-u", "-z", str(host.root)], check=False)
-        if os.environ.get("CGPU_DEMO_KEEP"):
-            print(f"kept {host.folder}")
+        docker.stop()
+        if not os.environ.get("CGPU_DEMO_KEEP"):
+            shutil.rmtree(top, ignore_errors=True)
         else:
-            shutil.rmtree(host.folder, ignore_errors=True)
+            print(f"kept {top}")
+    step("docker stopped, trees unmounted, everything removed; done")
     return 0
+
+
+def json_list(words: list[str]) -> str:
+    return "[" + ",".join(f'"{word}"' for word in words) + "]"
 
 
 if __name__ == "__main__":

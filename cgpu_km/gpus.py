@@ -19,9 +19,12 @@ from typing import Any
 
 import pynvml
 
+from cgpu_km import paths
+
 SIMULATE_ENV = "CGPU_SIMULATE"
-SIMGPU_DIR_ENV = "CGPU_SIMGPU_DIR"
+SIMGPU_DIR_ENV = paths.SIMGPU_DIR_ENV
 NVML_SONAME = "libnvidia-ml.so.1"
+NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 _NO_DRIVER = (pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
 
 
@@ -40,15 +43,27 @@ class GpuError(RuntimeError):
 
 
 def simgpu_lib_dir() -> Path:
-    """Where simgpu's libraries are: $CGPU_SIMGPU_DIR, else `<repo>/simgpu`."""
-    override = os.environ.get(SIMGPU_DIR_ENV)
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[1] / "simgpu"
+    """Where simgpu's libraries are: $CGPU_SIMGPU_DIR, else `<repo>/simgpu`, else
+    the installed prefix's `simgpu/` (cgpu_km.paths)."""
+    return paths.simgpu_dir()
 
 
 def simulate_requested(env: dict[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(SIMULATE_ENV, "") == "1"
+
+
+def simulating(env: dict[str, str] | None = None) -> bool:
+    """Whether GPU programs here run on simgpu: $CGPU_SIMULATE=1, or no NVIDIA
+    driver (no /dev/nvidiactl)."""
+    return simulate_requested(env) or not os.path.exists(NVIDIA_CONTROL_DEVICE)
+
+
+def with_simgpu_libraries(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """`env` with simgpu's folder first on LD_LIBRARY_PATH, so that a program
+    finds its libcuda.so.1 and libnvidia-ml.so.1 by soname, as the driver's."""
+    rest = [part for part in env.get("LD_LIBRARY_PATH", "").split(":")
+            if part and part != str(folder)]
+    return {**env, "LD_LIBRARY_PATH": ":".join([str(folder), *rest])}
 
 
 def load_simgpu() -> None:

@@ -7,9 +7,11 @@
 `prestart` resolves the container's environment (its bundle's config.json)
 into a plan (cgpu_km.envplan) and runs PRESTART_STEPS in order; each step
 records how to undo what it did, and when a step fails everything done so
-far is undone, so a failed start leaves nothing behind. `poststop` runs
-POSTSTOP_STEPS, each idempotent. Errors are one line on stderr; a bad
-environment value exits 2, any other failure 1.
+far is undone, so a failed start leaves nothing behind. A second prestart of
+the same container (started again without its poststop) replaces what the
+first registered (cgpu_km.claims). `poststop` runs POSTSTOP_STEPS, each
+idempotent, unless another container holds the id. Errors are one line on
+stderr; a bad environment value exits 2, any other failure 1.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from cgpu_km import treefs
+from cgpu_km import claims, treefs
 from cgpu_km.envplan import (
     DEFAULT_MAX_INST,
     DISABLED,
@@ -133,10 +135,49 @@ def unregister_from_gpus(ctx: HookContext) -> None:
                             f"{describe_oserror(error)}") from None
 
 
+def is_registered(ctx: HookContext) -> bool:
+    """Whether the tree lists the container's id on any GPU."""
+    try:
+        return any(entry.name.isdigit() and (entry / ctx.id12).is_dir()
+                   for entry in ctx.root.iterdir())
+    except OSError:
+        return False
+
+
+def claim_id(ctx: HookContext, undo: Undo) -> None:
+    """Record this container as the holder of its tree id (cgpu_km.claims).
+    When it held the id already (started again without its poststop having
+    run), its old registration and region are removed first."""
+    recorded = claims.read(ctx.id12)
+    action = claims.decide(recorded, ctx.container_id, is_registered(ctx))
+    if action is claims.Claim.REFUSE:
+        raise HookError(f"container id {ctx.id12} is in use by another container "
+                        f"({recorded}): the tree knows containers by 12 characters")
+    if action is claims.Claim.TAKE_OVER:
+        for step in (unregister_from_gpus, remove_data_plane):
+            step(ctx)
+    try:
+        claims.write(ctx.id12, ctx.container_id)
+    except OSError as error:
+        raise HookError(f"recording the holder of {ctx.id12} in {claims.claim_dir()} "
+                        f"failed: {error.strerror}") from None
+    undo.push("id claim", functools.partial(claims.drop, ctx.id12))
+
+
+def release_id(ctx: HookContext) -> None:
+    """poststop step: forget the holder (idempotent)."""
+    try:
+        claims.drop(ctx.id12)
+    except OSError as error:
+        raise HookError(f"removing {claims.claim_dir() / ctx.id12} failed: "
+                        f"{error.strerror}") from None
+
+
 # The region comes before the registration, so that the daemon finds it as
 # soon as the tree lists the container.
-PRESTART_STEPS: list[PrestartStep] = [create_region, register_on_gpus, inject_data_plane]
-POSTSTOP_STEPS: list[PoststopStep] = [unregister_from_gpus, remove_data_plane]
+PRESTART_STEPS: list[PrestartStep] = [claim_id, create_region, register_on_gpus,
+                                      inject_data_plane]
+POSTSTOP_STEPS: list[PoststopStep] = [unregister_from_gpus, remove_data_plane, release_id]
 
 
 def run_prestart_steps(ctx: HookContext, steps: Sequence[PrestartStep], stderr: TextIO) -> None:
@@ -288,6 +329,8 @@ def cmd_poststop(args: argparse.Namespace) -> int:
         return 0  # no tree, so nothing of ours is registered
     ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,
                       env=env, pid=state.pid)
+    if not claims.owns(claims.read(ctx.id12), ctx.container_id):
+        return 0  # another container holds the id: nothing here is ours
     failures: list[str] = []
     for step in POSTSTOP_STEPS:
         try:

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cgpu_km import kernelview
+from cgpu_km import kernelview, paths
 from cgpu_km import region as region_mod
 
 if TYPE_CHECKING:
@@ -43,11 +43,8 @@ class InjectError(Exception):
 
 
 def libcgpu_path() -> Path:
-    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`."""
-    override = os.environ.get(LIBCGPU_ENV)
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[1] / "libcgpu" / "libcgpu.so"
+    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`, else the installed prefix's."""
+    return paths.libcgpu()
 
 
 def rootfs_of(bundle: Path) -> Path:

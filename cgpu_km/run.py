@@ -5,7 +5,8 @@
 
 It registers the container on each GPU in the control tree, creates its
 region (gates closed until the daemon's first grant), runs CMD with libcgpu
-preloaded (LD_PRELOAD, CGPU_REGION, CUDA_VISIBLE_DEVICES) in a pid namespace
+preloaded (LD_PRELOAD, CGPU_REGION, CUDA_VISIBLE_DEVICES; on simgpu its
+libraries first on LD_LIBRARY_PATH) in a pid namespace
 of its own when it runs as root (`unshare`; the namespace is the job's
 identity, which its processes cannot leave: the daemon uses it to tell the
 job's GPU processes from others), records that identity next to the region,
@@ -30,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 
 from cgpu_km import gpus as gpus_mod
-from cgpu_km import kernelview, treefs
+from cgpu_km import kernelview, paths, treefs
 from cgpu_km import region as region_mod
 
 LIBCGPU_ENV = "CGPU_LIBCGPU"
@@ -44,11 +45,8 @@ class RunError(Exception):
 
 
 def libcgpu_path() -> Path:
-    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`."""
-    override = os.environ.get(LIBCGPU_ENV)
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[1] / "libcgpu" / "libcgpu.so"
+    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`, else the installed prefix's."""
+    return paths.libcgpu()
 
 
 def _positive(text: str) -> int:
@@ -193,6 +191,8 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
         env["LD_PRELOAD"] = f"{library}:{preload}" if preload else str(library)
         env[region_mod.REGION_ENV] = str(path)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(by_index[i].uuid for i in args.gpu)
+        if gpus_mod.simulating():
+            env = gpus_mod.with_simgpu_libraries(env, gpus_mod.simgpu_lib_dir())
         if args.egpu and args.oom_script:
             env["ALIYUN_COM_GPU_OOM_SCRIPT"] = args.oom_script
         yield Setup(name=name, root=root, region_path=path, env=env, scheduled=root is not None)

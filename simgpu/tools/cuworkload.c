@@ -3,7 +3,7 @@
  *
  *   cuworkload [--device N] [--primary] [--alloc BYTES]... [--managed BYTES]
  *              [--kernels N] [--us MICROSECONDS] [--stream] [--graph]
- *              [--go-stdin] [--hold SECONDS | --hold-stdin]
+ *              [--report N] [--go-stdin] [--hold SECONDS | --hold-stdin]
  *
  * It initializes the driver, makes a context (cuCtxCreate, or the primary
  * context with --primary), allocates, prints "ready pid=<pid>", optionally
@@ -11,6 +11,9 @@
  * (on a created stream with --stream, captured into a graph and launched
  * with --graph), synchronizes, prints "done elapsed_ms=<ms>", then holds
  * its memory for SECONDS or until stdin closes. Sizes take KiB/MiB/GiB.
+ * --report N (without --graph) synchronizes after every N launches and prints
+ * "kernels=<completed> ms=<since the first launch>": a throughput that the
+ * workload itself counted.
  * Exit status: 0 success, 1 a CUDA call failed (named on stdout), 2 usage.
  */
 #define _GNU_SOURCE
@@ -64,14 +67,14 @@ static int usage(void)
 {
     fprintf(stderr, "usage: cuworkload [--device N] [--primary] [--alloc BYTES]... "
                     "[--managed BYTES] [--kernels N] [--us US] [--stream] [--graph] "
-                    "[--go-stdin] [--hold SECONDS | --hold-stdin]\n");
+                    "[--report N] [--go-stdin] [--hold SECONDS | --hold-stdin]\n");
     return 2;
 }
 
 int main(int argc, char **argv)
 {
     int device = 0, primary = 0, kernels = 0, use_stream = 0, use_graph = 0, go_stdin = 0;
-    int hold_stdin = 0, nallocs = 0;
+    int hold_stdin = 0, nallocs = 0, report = 0;
     unsigned us = 1000;
     double hold = 0;
     size_t allocs[MAX_ALLOCS], managed = 0;
@@ -93,6 +96,8 @@ int main(int argc, char **argv)
             device = atoi(v), i++;
         } else if (v && strcmp(a, "--kernels") == 0) {
             kernels = atoi(v), i++;
+        } else if (v && strcmp(a, "--report") == 0) {
+            report = atoi(v), i++;
         } else if (v && strcmp(a, "--us") == 0) {
             us = (unsigned)strtoul(v, NULL, 10), i++;
         } else if (v && strcmp(a, "--hold") == 0) {
@@ -172,6 +177,12 @@ int main(int argc, char **argv)
             for (int i = 0; i < kernels; i++) {
                 if (check(cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, NULL, NULL), "cuLaunchKernel"))
                     return 1;
+                if (report > 0 && (i + 1) % report == 0) {
+                    if (check(stream ? cuStreamSynchronize(stream) : cuCtxSynchronize(), "synchronize"))
+                        return 1;
+                    printf("kernels=%d ms=%.3f\n", i + 1, now_ms() - t0);
+                    fflush(stdout);
+                }
             }
         }
         if (check(stream ? cuStreamSynchronize(stream) : cuCtxSynchronize(), "synchronize"))

@@ -1,0 +1,149 @@
+"""Edits of an OCI runtime config (`config.json`), as pure functions.
+
+`with_hooks` gives the config cgpu-hook's prestart and poststop (replacing
+any cgpu-hook entries already there, so editing twice is editing once); the
+hook decides from the container's environment whether anything happens.
+
+On simgpu (a host without a GPU), `with_simgpu` makes the container see the
+simulated GPU the way a container on a GPU host sees NVIDIA's driver:
+simgpu's `libcuda.so.1` and `libnvidia-ml.so.1` in the container's library
+folder and its `nvidia-smi` in /usr/bin, read-only; the host's simgpu state
+file (the device model the host daemon also uses) at simgpu's default path,
+so every process finds it, `docker exec` ones included; and, for a container
+given a subset of the GPUs, `SIMGPU_VISIBLE_DEVICES` with that subset (the
+device nodes a GPU host's runtime would mount), also for exec processes
+(`with_simgpu_env` on their process.json).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sysconfig
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HOOK_PROGRAM = "cgpu-hook"
+DRIVER_DEVICE = "/dev/nvidiactl"  # a host without it has no NVIDIA driver
+STAGES = ("prestart", "poststop")
+MULTIARCH = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
+LIBRARY_FOLDER = f"/usr/lib/{MULTIARCH}"
+SIMGPU_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
+SMI_AT = "/usr/bin/nvidia-smi"
+STATE_AT = "/dev/shm/simgpu-state"  # simgpu's default SIMGPU_STATE
+VISIBLE_ENV = "SIMGPU_VISIBLE_DEVICES"
+# The variables that name a container's GPUs, in the order cgpu-hook reads them.
+VISIBLE_SOURCES = ("ALIYUN_COM_GPU_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+NO_GPU_WORDS = ("none", "void")
+
+Config = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HookCall:
+    """How the runtime runs cgpu-hook."""
+
+    path: str
+    root: str | None = None  # --root, else the hook's own default
+    env: tuple[str, ...] = ()
+    timeout: int = 30
+
+    def entry(self, stage: str) -> dict[str, Any]:
+        args = [HOOK_PROGRAM, *(("--root", self.root) if self.root else ()), stage]
+        return {"path": self.path, "args": args, "env": list(self.env),
+                "timeout": self.timeout}
+
+
+def is_cgpu_hook(entry: object) -> bool:
+    return isinstance(entry, dict) and os.path.basename(str(entry.get("path", ""))) == HOOK_PROGRAM
+
+
+def with_hooks(config: Config, hook: HookCall) -> Config:
+    """`config` with cgpu-hook last among its prestart and poststop hooks."""
+    result = copy.deepcopy(config)
+    hooks = result.get("hooks")
+    if not isinstance(hooks, dict):
+        hooks = {}
+    for stage in STAGES:
+        current = hooks.get(stage)
+        others = [e for e in current if not is_cgpu_hook(e)] if isinstance(current, list) else []
+        hooks[stage] = [*others, hook.entry(stage)]
+    result["hooks"] = hooks
+    return result
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    """simgpu's files on the host."""
+
+    folder: Path  # libcuda.so.1, libnvidia-ml.so.1, nvidia-smi
+    state: Path  # the SIMGPU_STATE file the host uses
+
+
+def _bind(source: Path, destination: str, readonly: bool) -> dict[str, Any]:
+    options = ["rbind", "nosuid", "nodev", "ro" if readonly else "rw"]
+    return {"destination": destination, "type": "bind", "source": str(source),
+            "options": options}
+
+
+def simgpu_mounts(sim: SimGpu) -> list[dict[str, Any]]:
+    """The bind mounts that put simgpu into a container (all read-only but
+    the state file, which its processes write as they use the GPU)."""
+    mounts = [_bind(sim.folder / name, f"{LIBRARY_FOLDER}/{name}", True)
+              for name in SIMGPU_LIBRARIES]
+    mounts.append(_bind(sim.folder / "nvidia-smi", SMI_AT, True))
+    mounts.append(_bind(sim.state, STATE_AT, False))
+    return mounts
+
+
+def visible_devices(env: Mapping[str, str]) -> str | None:
+    """SIMGPU_VISIBLE_DEVICES for a process environment: the GPUs its
+    container was given, or None when it was given all of them."""
+    for name in VISIBLE_SOURCES:
+        text = env.get(name, "").strip()
+        if text:
+            if text.lower() == "all":
+                return None
+            return "none" if text.lower() in NO_GPU_WORDS else text.replace(" ", "")
+    return None
+
+
+def env_map(pairs: Sequence[object]) -> dict[str, str]:
+    """`KEY=VALUE` strings as a mapping (the last one wins, as in execve)."""
+    result: dict[str, str] = {}
+    for pair in pairs:
+        if isinstance(pair, str) and "=" in pair:
+            key, value = pair.split("=", 1)
+            result[key] = value
+    return result
+
+
+def with_simgpu_env(process: Config) -> Config:
+    """An OCI `process` object with SIMGPU_VISIBLE_DEVICES set from its own
+    environment (replacing one already there); unchanged when it sees all GPUs."""
+    env = process.get("env")
+    pairs = [p for p in env if isinstance(p, str)] if isinstance(env, list) else []
+    wanted = visible_devices(env_map(pairs))
+    if wanted is None:
+        return copy.deepcopy(process)
+    result = copy.deepcopy(process)
+    result["env"] = [p for p in pairs if not p.startswith(f"{VISIBLE_ENV}=")]
+    result["env"].append(f"{VISIBLE_ENV}={wanted}")
+    return result
+
+
+def with_simgpu(config: Config, sim: SimGpu) -> Config:
+    """`config` with simgpu mounted in (mounts to the same places replaced)."""
+    result = copy.deepcopy(config)
+    added = simgpu_mounts(sim)
+    targets = {m["destination"] for m in added}
+    mounts = result.get("mounts")
+    kept = [m for m in mounts if not (isinstance(m, dict) and m.get("destination") in targets)
+            ] if isinstance(mounts, list) else []
+    result["mounts"] = [*kept, *added]
+    process = result.get("process")
+    if isinstance(process, dict):
+        result["process"] = with_simgpu_env(process)
+    return result

@@ -1,0 +1,43 @@
+"""Fixtures of the engine tests: the image, a simulated host, the runtime's configuration."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cgpu_km.image import build_rootfs, rootfs_tar
+from tests.containers.helpers import SimHost, built
+
+
+@dataclass(frozen=True)
+class Image:
+    rootfs: Path
+    tar: Path
+
+
+@pytest.fixture(scope="session")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
+    if os.geteuid() != 0:
+        pytest.skip("container engines need root")
+    if not built():
+        pytest.skip("simgpu and libcgpu are not built (make build)")
+    folder = tmp_path_factory.mktemp("image")
+    build_rootfs(folder / "rootfs")
+    (folder / "rootfs.tar").write_bytes(rootfs_tar(folder / "rootfs"))
+    return Image(folder / "rootfs", folder / "rootfs.tar")
+
+
+@pytest.fixture(scope="module")
+def runtime_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the wrapper's configuration is (engines get it as CGPU_RUNTIME_CONFIG)."""
+    return tmp_path_factory.mktemp("runtime") / "runtime.toml"
+
+
+@pytest.fixture
+def sim(control_tree: Path, tmp_path: Path, runtime_config: Path) -> SimHost:
+    host = SimHost(tree=control_tree, folder=tmp_path)
+    host.write_config(runtime_config)
+    return host

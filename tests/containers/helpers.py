@@ -1,0 +1,81 @@
+"""Shared by the engine tests: a simulated GPU host and what its tree holds."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cgpu_km import paths, treefs
+from cgpu_km.oci.settings import DEFAULT_PATH, Settings, render_settings
+from cgpu_km.oci.spec import HookCall, SimGpu
+
+VENV_BIN = Path(sys.executable).parent
+WRAPPER = VENV_BIN / "cgpu-container-runtime"
+HOOK = VENV_BIN / "cgpu-hook"
+IMAGE = "cgpu-test:latest"
+MIB = 1 << 20
+UUIDS = ("GPU-c0ffee00-0000-4000-8000-000000000000", "GPU-c0ffee01-0000-4000-8000-000000000001")
+DEVICES = ",".join(f"Tesla T4:15109MiB:{uuid}" for uuid in UUIDS)
+T4 = 15109 * MIB
+LIMIT_6_OF_15 = T4 * 6 // 15  # shown as 6043 MiB
+CUDA_OOM = "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def missing(*programs: str) -> str | None:
+    """The first program not on PATH, if any."""
+    return next((p for p in programs if shutil.which(p) is None), None)
+
+
+def built() -> bool:
+    simgpu = paths.simgpu_dir()
+    return all((simgpu / name).is_file() for name in
+               ("libcuda.so.1", "libnvidia-ml.so.1", "nvidia-smi", "cuworkload")
+               ) and paths.libcgpu().is_file()
+
+
+@dataclass
+class SimHost:
+    """A host without a GPU: simgpu with two T4s, a FUSE tree, the hook's folders."""
+
+    tree: Path
+    folder: Path
+
+    @property
+    def state(self) -> Path:
+        return self.folder / "simgpu-state"
+
+    @property
+    def regions(self) -> Path:
+        return self.folder / "regions"
+
+    @property
+    def claims(self) -> Path:
+        return self.folder / "claims"
+
+    def hook_env(self) -> tuple[str, ...]:
+        return (f"PATH={DEFAULT_PATH}", f"CGPU_REGION_DIR={self.regions}",
+                f"CGPU_HOOK_STATE_DIR={self.claims}", "SIMGPU_CONTEXT_MEM=0")
+
+    def settings(self, runtimes: tuple[str, ...] = ("runc",)) -> Settings:
+        return Settings(runtimes=runtimes,
+                        hook=HookCall(path=str(HOOK), root=str(self.tree), env=self.hook_env()),
+                        simulate="on", simgpu=SimGpu(paths.simgpu_dir(), self.state),
+                        simgpu_devices=DEVICES)
+
+    def write_config(self, path: Path, runtimes: tuple[str, ...] = ("runc",)) -> None:
+        path.write_text(render_settings(self.settings(runtimes)))
+
+    def registered(self) -> dict[int, dict[str, int]]:
+        """GPU -> container -> memsize, as the tree says."""
+        return {gpu.index: {name: c.memsize for name, c in gpu.containers.items()}
+                for gpu in treefs.read_tree(self.tree).gpus}
+
+    def leftovers(self) -> list[str]:
+        """Regions and claim records still on the host."""
+        return [str(p) for folder in (self.regions, self.claims) if folder.is_dir()
+                for p in folder.iterdir()]
+
+
+NOTHING = {0: {}, 1: {}}

@@ -1,0 +1,172 @@
+"""A real dockerd (docker.io 20.10) with cgpu-container-runtime as the runtime `cgpu`,
+on a simulated host (simgpu with two T4s, a FUSE tree): containers run the way
+the cGPU documents run them, and the tree, the limits inside and the errors
+are checked. One private engine per module (cgpu_km.dockerd), its containers
+removed after each test."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpu_km.dockerd import PrivateDocker
+from cgpu_km.oci.settings import CONFIG_ENV
+from tests.containers.conftest import Image
+from tests.containers.helpers import (
+    CUDA_OOM,
+    IMAGE,
+    LIMIT_6_OF_15,
+    NOTHING,
+    UUIDS,
+    WRAPPER,
+    SimHost,
+    missing,
+)
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(missing("dockerd", "containerd", "runc") is not None,
+                       reason=f"{missing('dockerd', 'containerd', 'runc')} is not installed "
+                              "(apt-get install docker.io)"),
+]
+
+CGPU_6_OF_15 = ["-e", "ALIYUN_COM_GPU_MEM_CONTAINER=6", "-e", "ALIYUN_COM_GPU_MEM_DEV=15"]
+HOLD = ["sh", "-c", "cuworkload --alloc 1GiB --hold 600"]
+
+
+@pytest.fixture(scope="module")
+def dockerd(image: Image, runtime_config: Path) -> Iterator[PrivateDocker]:
+    engine = PrivateDocker(Path(tempfile.mkdtemp(prefix="cgpu-docker-")),
+                           {"runtimes": {"cgpu": {"path": str(WRAPPER)}}},
+                           env={CONFIG_ENV: str(runtime_config)})
+    engine.start()
+    try:
+        engine.check("import", str(image.tar), IMAGE)
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def docker(dockerd: PrivateDocker, sim: SimHost) -> Iterator[PrivateDocker]:
+    """The engine, its containers removed after the test (before the tree goes)."""
+    try:
+        yield dockerd
+    finally:
+        dockerd.remove_containers()
+
+
+def run_detached(docker: PrivateDocker, name: str, *args: str,
+                 command: list[str] = HOLD) -> str:
+    """`docker run -d -t --runtime=cgpu` as in the cGPU document; its id as `docker ps` shows."""
+    docker.check("run", "-d", "-t", "--runtime=cgpu", "--network=none", "--name", name, *args,
+                 IMAGE, *command)
+    return docker.check("ps", "--filter", f"name=^{name}$", "--format", "{{.ID}}").strip()
+
+
+def wait_for_log(docker: PrivateDocker, name: str, text: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = docker.docker("logs", name).stdout
+        if text in logs or time.monotonic() > deadline:
+            return logs
+        time.sleep(0.1)
+
+
+def test_running_container_is_registered_and_limited_in_exec_too(
+        docker: PrivateDocker, sim: SimHost) -> None:
+    dockerid = run_detached(docker, "gpu_test1", *CGPU_6_OF_15, "-e", "NVIDIA_VISIBLE_DEVICES=0")
+    assert len(dockerid) == 12
+    assert sim.registered() == {0: {dockerid: LIMIT_6_OF_15}, 1: {}}
+    assert f"total={LIMIT_6_OF_15}" in wait_for_log(docker, "gpu_test1", "ready pid=")
+    # docker exec: a new process of the container, with the same limit.
+    smi = docker.check("exec", "-i", "gpu_test1", "nvidia-smi")
+    assert "1024MiB /  6043MiB" in smi or "1024MiB / 6043MiB" in smi, smi
+    assert docker.check("exec", "gpu_test1", "nvidia-smi", "--query-gpu=memory.total",
+                        "--format=csv,noheader,nounits") == "6043\n"
+    # 1 GiB is held by the main process; the exec process gets what is left.
+    over = docker.docker("exec", "gpu_test1", "cuworkload", "--alloc", "5GiB")
+    assert f"alloc {5 << 30} {CUDA_OOM}" in over.stdout, over.stdout + over.stderr
+    fits = docker.check("exec", "gpu_test1", "cuworkload", "--alloc", "4GiB")
+    assert f"total={LIMIT_6_OF_15}" in fits
+    assert f"alloc {4 << 30} ok" in fits
+    assert docker.check("exec", "gpu_test1", "cat", "/etc/ld.so.preload") == \
+        "/usr/local/lib/cgpu/libcgpu.so\n"
+    docker.check("stop", "-t", "1", "gpu_test1")
+    assert sim.registered() == NOTHING
+    assert sim.leftovers() == []
+
+
+def test_restart_registers_again_and_rm_f_removes(docker: PrivateDocker, sim: SimHost) -> None:
+    dockerid = run_detached(docker, "gpu_restart", *CGPU_6_OF_15)
+    both = {0: {dockerid: LIMIT_6_OF_15}, 1: {dockerid: LIMIT_6_OF_15}}
+    assert sim.registered() == both
+    docker.check("restart", "-t", "1", "gpu_restart")  # poststop, then create and prestart
+    assert sim.registered() == both
+    docker.check("stop", "-t", "1", "gpu_restart")
+    assert sim.registered() == NOTHING
+    docker.check("start", "gpu_restart")
+    assert sim.registered() == both
+    docker.check("rm", "-f", "gpu_restart")
+    assert sim.registered() == NOTHING
+    assert sim.leftovers() == []
+
+
+def test_container_that_exits_leaves_nothing(docker: PrivateDocker, sim: SimHost) -> None:
+    dockerid = run_detached(docker, "gpu_exits", *CGPU_6_OF_15, command=["sleep", "2"])
+    assert list(sim.registered()[0]) == [dockerid]
+    assert docker.check("wait", "gpu_exits", timeout=30).strip() == "0"
+    deadline = time.monotonic() + 10
+    while sim.registered() != NOTHING and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sim.registered() == NOTHING
+    assert sim.leftovers() == []
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    (["-e", "ALIYUN_COM_GPU_MEM_CONTAINER=3", "-e", "ALIYUN_COM_GPU_MEM_DEV=0"],
+     "cgpu-hook: ALIYUN_COM_GPU_MEM_DEV: must be above 0"),
+    (["-e", "ALIYUN_COM_GPU_MEM_CONTAINER=3", "-e", "NVIDIA_VISIBLE_DEVICES=0,5"],
+     "cgpu-hook: NVIDIA_VISIBLE_DEVICES: no GPU with index '5' on this host (2 GPU(s))"),
+])
+def test_bad_env_shows_the_hook_s_line_and_registers_nothing(
+        docker: PrivateDocker, sim: SimHost, env: list[str], message: str) -> None:
+    result = docker.docker("run", "--runtime=cgpu", "--network=none", *env, IMAGE, "true")
+    assert result.returncode == 125
+    assert f"stderr: {message}: unknown" in result.stderr, result.stderr
+    assert sim.registered() == NOTHING
+    assert sim.leftovers() == []
+
+
+def test_exec_sees_the_container_s_gpus_only(docker: PrivateDocker, sim: SimHost) -> None:
+    run_detached(docker, "gpu_one", *CGPU_6_OF_15, "-e", "NVIDIA_VISIBLE_DEVICES=1")
+    assert docker.check("exec", "gpu_one", "nvidia-smi", "-L") == \
+        f"GPU 0: Tesla T4 (UUID: {UUIDS[1]})\n"
+    logs = wait_for_log(docker, "gpu_one", "ready pid=")
+    assert f"total={LIMIT_6_OF_15}" in logs
+
+
+def test_container_without_the_variables_is_left_alone(
+        docker: PrivateDocker, sim: SimHost) -> None:
+    run_detached(docker, "plain", command=["sleep", "600"])
+    assert sim.registered() == NOTHING
+    # simgpu is there (as NVIDIA's driver would be), but no limit and no libcgpu.
+    assert docker.check("exec", "plain", "nvidia-smi", "--query-gpu=memory.total",
+                        "--format=csv,noheader,nounits") == "15109\n15109\n"
+    assert docker.docker("exec", "plain", "cat", "/etc/ld.so.preload").returncode != 0
+
+
+def test_wrapper_error_reaches_docker_and_stopping_still_works(
+        docker: PrivateDocker, sim: SimHost, runtime_config: Path) -> None:
+    run_detached(docker, "before", *CGPU_6_OF_15)
+    runtime_config.write_text(runtime_config.read_text() + "\n[extra]\n")
+    result = docker.docker("run", "--runtime=cgpu", "--network=none", *CGPU_6_OF_15, IMAGE,
+                           "true")
+    assert result.returncode == 125
+    assert f"cgpu-container-runtime: {runtime_config}: extra: unknown key" in result.stderr
+    assert docker.docker("rm", "-f", "before").returncode == 0  # delete goes through
+    assert sim.registered() == NOTHING

@@ -1,0 +1,115 @@
+"""The config.json edits: cgpu-hook's entries, simgpu's mounts and visible devices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cgpu_km.oci.spec import (
+    HookCall,
+    SimGpu,
+    visible_devices,
+    with_hooks,
+    with_simgpu,
+    with_simgpu_env,
+)
+
+HOOK = HookCall(path="/usr/local/bin/cgpu-hook", root="/proc/cgpu_km", env=("PATH=/bin",))
+LIBNETWORK = {"path": "/usr/bin/dockerd", "args": ["libnetwork-setkey", "-exec-root=/x", "id"]}
+SIM = SimGpu(folder=Path("/opt/cgpu_km/simgpu"), state=Path("/dev/shm/state"))
+
+
+def docker_config() -> dict[str, Any]:
+    return {"ociVersion": "1.0.2", "hooks": {"prestart": [LIBNETWORK]},
+            "process": {"env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=1,0"]},
+            "mounts": [{"destination": "/dev/shm", "type": "tmpfs", "source": "shm"}]}
+
+
+def test_hooks_come_after_docker_s_and_editing_twice_is_once() -> None:
+    config = docker_config()
+    once = with_hooks(config, HOOK)
+    assert once["hooks"]["prestart"] == [LIBNETWORK, {
+        "path": "/usr/local/bin/cgpu-hook", "args": ["cgpu-hook", "--root", "/proc/cgpu_km",
+                                                     "prestart"],
+        "env": ["PATH=/bin"], "timeout": 30}]
+    assert once["hooks"]["poststop"][0]["args"][-1] == "poststop"
+    assert with_hooks(once, HOOK) == once
+    assert config == docker_config()  # not changed in place
+
+
+def test_an_older_cgpu_hook_entry_is_replaced() -> None:
+    old = {"path": "/old/bin/cgpu-hook", "args": ["cgpu-hook", "prestart"]}
+    config = {"hooks": {"prestart": [old, LIBNETWORK], "poststop": [old]}}
+    edited = with_hooks(config, HookCall(path="/new/cgpu-hook"))
+    assert [h["path"] for h in edited["hooks"]["prestart"]] == ["/usr/bin/dockerd",
+                                                                "/new/cgpu-hook"]
+    assert [h["path"] for h in edited["hooks"]["poststop"]] == ["/new/cgpu-hook"]
+
+
+def test_simgpu_mounts_read_only_but_the_state_and_visible_devices() -> None:
+    edited = with_simgpu(docker_config(), SIM)
+    mounts = {m["destination"]: (m["source"], "ro" in m.get("options", []))
+              for m in edited["mounts"]}
+    assert mounts == {
+        "/dev/shm": ("shm", False),
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1": ("/opt/cgpu_km/simgpu/libcuda.so.1", True),
+        "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1":
+            ("/opt/cgpu_km/simgpu/libnvidia-ml.so.1", True),
+        "/usr/bin/nvidia-smi": ("/opt/cgpu_km/simgpu/nvidia-smi", True),
+        "/dev/shm/simgpu-state": ("/dev/shm/state", False),
+    }
+    assert edited["mounts"][0]["destination"] == "/dev/shm"  # its mounts go after it
+    assert edited["process"]["env"][-1] == "SIMGPU_VISIBLE_DEVICES=1,0"
+    assert with_simgpu(edited, SIM) == edited
+
+
+def test_visible_devices_follow_the_hook_s_variables() -> None:
+    assert visible_devices({}) is None
+    assert visible_devices({"NVIDIA_VISIBLE_DEVICES": "all"}) is None
+    assert visible_devices({"NVIDIA_VISIBLE_DEVICES": "none"}) == "none"
+    assert visible_devices({"NVIDIA_VISIBLE_DEVICES": "void"}) == "none"
+    assert visible_devices({"NVIDIA_VISIBLE_DEVICES": "0, 2"}) == "0,2"
+    assert visible_devices({"ALIYUN_COM_GPU_VISIBLE_DEVICES": "3",
+                            "NVIDIA_VISIBLE_DEVICES": "all"}) == "3"
+    assert visible_devices({"ALIYUN_COM_GPU_VISIBLE_DEVICES": "",
+                            "NVIDIA_VISIBLE_DEVICES": "1"}) == "1"
+
+
+def test_exec_process_gets_the_container_s_gpus() -> None:
+    process = {"args": ["nvidia-smi"], "env": ["NVIDIA_VISIBLE_DEVICES=1",
+                                               "SIMGPU_VISIBLE_DEVICES=0,1"]}
+    assert with_simgpu_env(process)["env"] == ["NVIDIA_VISIBLE_DEVICES=1",
+                                               "SIMGPU_VISIBLE_DEVICES=1"]
+    plain = {"args": ["sh"], "env": ["PATH=/bin"]}
+    assert with_simgpu_env(plain) == plain
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                       lambda inner: st.lists(inner, max_size=3)
+                       | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+HOOK_ENTRY = st.fixed_dictionaries({"path": st.sampled_from(
+    ["/usr/bin/dockerd", "/usr/bin/nvidia-container-runtime-hook", "/x/cgpu-hook"]),
+    "args": st.lists(st.text(max_size=5), max_size=3)})
+
+
+@given(st.dictionaries(st.sampled_from(["prestart", "poststop", "createRuntime"]),
+                       st.lists(HOOK_ENTRY, max_size=3)), st.dictionaries(
+    st.sampled_from(["ociVersion", "root", "annotations"]), JSONISH, max_size=3))
+def test_hooks_edit_keeps_the_rest_and_is_idempotent(
+        hooks: dict[str, list[dict[str, Any]]], rest: dict[str, Any]) -> None:
+    config = {**rest, "hooks": hooks}
+    edited = with_hooks(config, HOOK)
+    assert with_hooks(edited, HOOK) == edited
+    assert {k: v for k, v in edited.items() if k != "hooks"} == rest
+    for stage, entries in hooks.items():
+        if stage == "createRuntime":
+            assert edited["hooks"][stage] == entries  # only prestart and poststop change
+            continue
+        others = [e for e in entries if not e["path"].endswith("/cgpu-hook")]
+        assert edited["hooks"][stage] == [*others, HOOK.entry(stage)]
+    assert [e["path"] for e in edited["hooks"]["prestart"]].count(HOOK.path) == 1
+    json.dumps(edited)
