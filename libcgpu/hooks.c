@@ -618,26 +618,12 @@ CGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     RELEASE_TRACKED(CGPU_TRACK_HANDLE, handle, real_cuMemRelease(handle));
 }
 
-static uint64_t format_bytes(CUarray_format f)
-{
-    switch (f) {
-    case CU_AD_FORMAT_UNSIGNED_INT8:
-    case CU_AD_FORMAT_SIGNED_INT8:
-        return 1;
-    case CU_AD_FORMAT_UNSIGNED_INT16:
-    case CU_AD_FORMAT_SIGNED_INT16:
-    case CU_AD_FORMAT_HALF:
-        return 2;
-    default:
-        return 4;
-    }
-}
-
 static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned int ch)
 {
     uint64_t n = (uint64_t)w * (h ? h : 1);
     n *= d ? d : 1;
-    return n * (ch ? ch : 1) * format_bytes(f);
+    uint64_t elem = cgpu_array_format_bytes(f);
+    return n * (ch ? ch : 1) * (elem ? elem : 4); /* formats not declared here: 4 bytes */
 }
 
 static CUresult array_create(CUarray *out, uint64_t size, const void *desc, int three_d)
@@ -733,20 +719,30 @@ CGPU_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     return rc;
 }
 
+/* The container's view of NVML's memory figures of `device`, after the real
+ * call succeeded: 1 with total (the limit), used and free filled in. */
+static int nvml_view(nvmlDevice_t device, unsigned long long *total, unsigned long long *used,
+                     unsigned long long *free_bytes)
+{
+    const struct cgpu_control *r = cgpu_region();
+    if (r == NULL)
+        return 0;
+    int g = gpu_of_nvml(r, device);
+    uint64_t in_use, avail;
+    if (g < 0 || view(r, g, &in_use, &avail) == 0)
+        return 0;
+    *total = r->gpu[g].limit;
+    *used = in_use;
+    *free_bytes = avail;
+    return 1;
+}
+
 CGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
     ENSURE_NVML(nvmlDeviceGetMemoryInfo);
     nvmlReturn_t rc = real_nvmlDeviceGetMemoryInfo(device, memory);
-    const struct cgpu_control *r = cgpu_region();
-    if (rc != NVML_SUCCESS || r == NULL || memory == NULL)
-        return rc;
-    int g = gpu_of_nvml(r, device);
-    uint64_t used, avail;
-    if (g < 0 || view(r, g, &used, &avail) == 0)
-        return rc;
-    memory->total = r->gpu[g].limit;
-    memory->used = used;
-    memory->free = avail;
+    if (rc == NVML_SUCCESS && memory != NULL)
+        nvml_view(device, &memory->total, &memory->used, &memory->free);
     return rc;
 }
 
@@ -754,17 +750,9 @@ CGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMem
 {
     ENSURE_NVML(nvmlDeviceGetMemoryInfo_v2);
     nvmlReturn_t rc = real_nvmlDeviceGetMemoryInfo_v2(device, memory);
-    const struct cgpu_control *r = cgpu_region();
-    if (rc != NVML_SUCCESS || r == NULL || memory == NULL)
-        return rc;
-    int g = gpu_of_nvml(r, device);
-    uint64_t used, avail;
-    if (g < 0 || view(r, g, &used, &avail) == 0)
-        return rc;
-    memory->total = r->gpu[g].limit;
-    memory->reserved = 0;
-    memory->used = used;
-    memory->free = avail;
+    if (rc == NVML_SUCCESS && memory != NULL &&
+        nvml_view(device, &memory->total, &memory->used, &memory->free))
+        memory->reserved = 0;
     return rc;
 }
 

@@ -1296,30 +1296,12 @@ CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocatio
 }
 
 /* Arrays: charged like allocations; no storage is kept. */
-static size_t format_bytes(CUarray_format f)
-{
-    switch (f) {
-    case CU_AD_FORMAT_UNSIGNED_INT8:
-    case CU_AD_FORMAT_SIGNED_INT8:
-        return 1;
-    case CU_AD_FORMAT_UNSIGNED_INT16:
-    case CU_AD_FORMAT_SIGNED_INT16:
-    case CU_AD_FORMAT_HALF:
-        return 2;
-    case CU_AD_FORMAT_UNSIGNED_INT32:
-    case CU_AD_FORMAT_SIGNED_INT32:
-    case CU_AD_FORMAT_FLOAT:
-        return 4;
-    }
-    return 0;
-}
-
 static CUresult array_create(CUarray *pHandle, size_t w, size_t h, size_t d, CUarray_format f,
                              unsigned channels)
 {
     REQUIRE_INIT();
     struct sim_ctx *c = current_ctx();
-    size_t elem = format_bytes(f);
+    size_t elem = cgpu_array_format_bytes(f);
     if (!pHandle || w == 0 || elem == 0 || (channels != 1 && channels != 2 && channels != 4))
         return CUDA_ERROR_INVALID_VALUE;
     if (!c)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 SIMGPU = REPO / "simgpu"
 LIBCGPU = REPO / "libcgpu"
 SOURCES = REPO / "tests" / "libcgpu"
-CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{SIMGPU / 'include'}"]
+CFLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{LIBCGPU / 'include'}"]
 
 
 @dataclass(frozen=True)

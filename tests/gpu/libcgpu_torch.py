@@ -118,7 +118,7 @@ def build(tmp: Path, libcuda: str | None) -> Path | None:
         report("SKIP", "C workload", "no gcc or no libcuda.so.1")
         return None
     workload = tmp / "workload"
-    result = sh(["gcc", "-std=gnu11", "-O2", f"-I{REPO / 'simgpu' / 'include'}", "-o",
+    result = sh(["gcc", "-std=gnu11", "-O2", f"-I{REPO / 'libcgpu' / 'include'}", "-o",
                  str(workload), str(REPO / "tests" / "libcgpu" / "workload.c"), libcuda, "-ldl"])
     check("build C workload", result.returncode == 0, result.stderr.strip()[-300:])
     return workload if result.returncode == 0 else None
@@ -283,7 +283,7 @@ def bench(setup: Setup, tmp: Path, libcuda: str | None) -> None:
     if libcuda is None or shutil.which("gcc") is None:
         return
     binary = tmp / "bench"
-    result = sh(["gcc", "-std=gnu11", "-O2", f"-I{REPO / 'simgpu' / 'include'}", "-o",
+    result = sh(["gcc", "-std=gnu11", "-O2", f"-I{REPO / 'libcgpu' / 'include'}", "-o",
                  str(binary), str(REPO / "tests" / "libcgpu" / "bench.c"), libcuda])
     if result.returncode != 0:
         report("SKIP", "launch cost", result.stderr[-200:])

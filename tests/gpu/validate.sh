@@ -123,7 +123,7 @@ build() {  # build DIR: make, then again without -Werror (a newer compiler's new
     local dir=$1
     if timeout 300 make -C "$dir" >"$WORK/logs/build-$dir.log" 2>&1; then return 0; fi
     log "make -C $dir failed; retrying without -Werror (see logs/build-$dir.log)"
-    timeout 300 make -C "$dir" CFLAGS="-O2 -std=gnu11 -Wall -Wextra -fPIC -fvisibility=hidden -I../simgpu/include" \
+    timeout 300 make -C "$dir" CFLAGS="-O2 -std=gnu11 -Wall -Wextra -fPIC -fvisibility=hidden -Iinclude" \
         >>"$WORK/logs/build-$dir.log" 2>&1
 }
 if command -v make >/dev/null && { command -v gcc || command -v cc; } >/dev/null; then

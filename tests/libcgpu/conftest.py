@@ -28,7 +28,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     _make(LIBCGPU)
     out = tmp_path_factory.mktemp("workload") / "workload"
     subprocess.run(
-        ["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{SIMGPU / 'include'}",
+        ["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{LIBCGPU / 'include'}",
          "-o", str(out), str(HERE / "workload.c"), str(SIMGPU / "libcuda.so.1"), "-ldl"],
         check=True)
     return Built(libcgpu=LIBCGPU / "libcgpu.so", simgpu_dir=SIMGPU, workload=out)

@@ -585,4 +585,25 @@ CUresult CUDAAPI cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsign
 }
 #endif
 
+/* ---- not NVIDIA's: helpers of this project ---- */
+
+/* Bytes of one element of an array format; 0 for a format not declared here. */
+static inline unsigned long cgpu_array_format_bytes(CUarray_format f)
+{
+    switch (f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8:
+    case CU_AD_FORMAT_SIGNED_INT8:
+        return 1;
+    case CU_AD_FORMAT_UNSIGNED_INT16:
+    case CU_AD_FORMAT_SIGNED_INT16:
+    case CU_AD_FORMAT_HALF:
+        return 2;
+    case CU_AD_FORMAT_UNSIGNED_INT32:
+    case CU_AD_FORMAT_SIGNED_INT32:
+    case CU_AD_FORMAT_FLOAT:
+        return 4;
+    }
+    return 0;
+}
+
 #endif /* CGPU_SUBSET_CUDA_H */
