@@ -34,17 +34,11 @@ from cgpu_km import region as region_mod
 if TYPE_CHECKING:
     from cgpu_km.hook import HookContext, Undo
 
-LIBCGPU_ENV = "CGPU_LIBCGPU"
 PRELOAD_NAME = "ld.so.preload"
 
 
 class InjectError(Exception):
     """A data-plane step failed; `str(error)` is the one-line message."""
-
-
-def libcgpu_path() -> Path:
-    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`, else the installed prefix's."""
-    return paths.libcgpu()
 
 
 def rootfs_of(bundle: Path) -> Path:
@@ -151,10 +145,10 @@ def inject_data_plane(ctx: HookContext, undo: Undo) -> None:
     """prestart step: library, region and preload file inside the container."""
     from cgpu_km.hook import HookError
 
-    library = libcgpu_path()
+    library = paths.libcgpu()
     if not library.is_file():
         raise HookError(f"{library} not found: build it with `make -C libcgpu` "
-                        f"or set {LIBCGPU_ENV}")
+                        f"or set {paths.LIBCGPU_ENV}")
     path = region_mod.region_path(ctx.id12)
     try:
         rootfs = rootfs_of(ctx.bundle)

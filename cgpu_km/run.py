@@ -34,7 +34,6 @@ from cgpu_km import gpus as gpus_mod
 from cgpu_km import kernelview, paths, treefs
 from cgpu_km import region as region_mod
 
-LIBCGPU_ENV = "CGPU_LIBCGPU"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -42,11 +41,6 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 
 class RunError(Exception):
     """A bad argument or a setup failure; `str(error)` is the one-line message."""
-
-
-def libcgpu_path() -> Path:
-    """$CGPU_LIBCGPU, else `<repo>/libcgpu/libcgpu.so`, else the installed prefix's."""
-    return paths.libcgpu()
 
 
 def _positive(text: str) -> int:
@@ -147,10 +141,10 @@ def _limit(root: Path | None, gpu: gpus_mod.GpuInfo, name: str,
 @contextlib.contextmanager
 def managed(args: argparse.Namespace) -> Iterator[Setup]:
     """Register, create the region, yield the child's environment; always clean up."""
-    library = libcgpu_path()
+    library = paths.libcgpu()
     if not library.is_file():
         raise RunError(f"{library} not found: build it with `make -C libcgpu` "
-                       f"or set {LIBCGPU_ENV}")
+                       f"or set {paths.LIBCGPU_ENV}")
     name = args.name or f"run-{os.getpid()}"
     if not NAME_RE.match(name):
         raise RunError(f"bad container id {name!r}: 1 to 64 of [A-Za-z0-9_.-]")

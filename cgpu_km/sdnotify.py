@@ -59,9 +59,6 @@ class Notifier:
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
 
-    def mainpid(self, pid: int) -> bool:
-        return self.notify(f"MAINPID={pid}")
-
     def status(self, text: str) -> bool:
         return self.notify(f"STATUS={text}")
 

@@ -239,8 +239,3 @@ def pid_alive(pid: int) -> bool:
         return True  # exists, owned by someone else
     return True
 
-
-def daemon_running(snapshot: Snapshot | None, now: float | None = None) -> bool:
-    """The daemon that wrote `snapshot` is alive and still publishing."""
-    return snapshot is not None and pid_alive(snapshot.pid) and snapshot.is_fresh(now)
-

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.smi import daemon_status
 from cgpu_km.snapshot import (
     DEFAULT_STATE_DIR,
     STATE_DIR_ENV,
     Snapshot,
     SnapshotError,
-    daemon_running,
     read_snapshot,
     resolve_state_dir,
     snapshot_path,
@@ -153,14 +153,17 @@ def _dead_pid() -> int:
 
 
 def test_daemon_running_needs_a_live_pid_and_a_fresh_snapshot(known_snapshot: Snapshot) -> None:
+    def running(snapshot: Snapshot | None, now: float) -> bool:
+        return daemon_status(snapshot, "", now).running
+
     now = time.time()
     live = dataclasses.replace(known_snapshot, pid=os.getpid(), timestamp=now - 1)
-    assert daemon_running(live, now)
-    assert not daemon_running(None, now)
-    assert not daemon_running(dataclasses.replace(live, pid=_dead_pid()), now)
+    assert running(live, now)
+    assert not running(None, now)
+    assert not running(dataclasses.replace(live, pid=_dead_pid()), now)
     # Period 0.05 s: stale after max(5 s, 10 periods) = 5 s.
-    assert daemon_running(dataclasses.replace(live, timestamp=now - 4.9), now)
-    assert not daemon_running(dataclasses.replace(live, timestamp=now - 5.1), now)
+    assert running(dataclasses.replace(live, timestamp=now - 4.9), now)
+    assert not running(dataclasses.replace(live, timestamp=now - 5.1), now)
     # A long period stretches the limit to 10 periods.
     slow = dataclasses.replace(live, period_seconds=2.0, timestamp=now - 19)
-    assert daemon_running(slow, now)
+    assert running(slow, now)
