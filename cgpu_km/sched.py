@@ -288,7 +288,9 @@ class SliceScheduler:
         self._granted_at = 0.0
         self._slice_end = 0.0
         self._closed_at: float | None = None  # the holder's slice ended: draining
-        self._late: dict[str, float] = {}  # closed, not yet answered: charged up to then
+        # closed, not answered: (charged up to, last seen still not answering)
+        self._late: dict[str, tuple[float, float]] = {}
+        self._missing_at = 0.0  # the holder's drain: last seen still not answered
         self._native_open: frozenset[str] = frozenset()
         self._set_allot()
 
@@ -358,12 +360,14 @@ class SliceScheduler:
                 acc.last_active = now
             acc.last_launches = seen.launches
         self._accrue(dt)
-        for name, charged_to in list(self._late.items()):
+        for name, (charged_to, missing_at) in list(self._late.items()):
             seen = observed.get(name, nothing)
-            if seen.answered or name == self.holder:
-                if seen.answered and name != self.holder:
-                    self._charge(name, min(now, seen.drained_at) - charged_to)
-                del self._late[name]
+            if not seen.answered and name != self.holder:
+                self._late[name] = (charged_to, now)
+                continue
+            if seen.answered and name != self.holder:
+                self._charge(name, min(now, max(seen.drained_at, missing_at)) - charged_to)
+            del self._late[name]
         # Active: waiting now, or launched or waited within a short while (a busy
         # container's processes are not at the gate every instant: between two
         # turns they drain, wake, launch).
@@ -430,17 +434,22 @@ class SliceScheduler:
                     wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
                 return self._decision(frozenset({holder}), wake_at)
             # Closed now: the answers in `observed` predate this close.
-            self._closed_at = now
+            self._closed_at = self._missing_at = now
             return self._decision(frozenset(), now + self.drain_timeout)
         if holder is not None and self._closed_at is not None:
             seen = observed.get(holder, nothing)
-            if not seen.answered and now - self._closed_at < self.drain_timeout:
-                return self._decision(frozenset(), self._closed_at + self.drain_timeout)
+            if not seen.answered:
+                self._missing_at = now
+                if now - self._closed_at < self.drain_timeout:
+                    return self._decision(frozenset(), self._closed_at + self.drain_timeout)
             # Charged to the last answer: what it queued ran past the slice's end.
-            end = min(now, max(self._closed_at, seen.drained_at)) if seen.answered else now
+            # An answer is not taken to be older than the last look that found it
+            # missing: one dated earlier than it came would keep the GPU idle
+            # for the others at no cost to whoever was late.
+            end = min(now, max(self._missing_at, seen.drained_at)) if seen.answered else now
             self._charge(holder, end - self._granted_at)
             if not seen.answered:
-                self._late[holder] = end  # the rest is charged when it answers
+                self._late[holder] = (end, end)  # the rest is charged when it answers
             self.holder, self._closed_at = None, None
         return self._grant(now, waiting)
 
@@ -525,7 +534,7 @@ class SliceScheduler:
                     wake_at = min(wake_at, now + max(acc.cap_credit / (1 - cap), self.idle_grace))
                 continue
             if was_open:
-                self._late[name] = now  # charged on until its drain answer
+                self._late[name] = (now, now)  # charged on until its drain answer
             if cap > 0:
                 wake_at = min(wake_at, now + max(-acc.cap_credit / cap, self.idle_grace))
         self._native_open = frozenset(open_)

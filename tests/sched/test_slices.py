@@ -260,3 +260,21 @@ def test_time_going_backwards_and_bad_knobs_are_refused() -> None:
         scheduler.step(0.5, {})
     with pytest.raises(ValueError, match="quantum"):
         SliceScheduler(GpuConfig(), quantum=0)
+
+
+def test_an_answer_dated_before_it_came_is_charged_until_it_came() -> None:
+    """A holder that answers its close late but dates the answer early would keep
+    the GPU idle for the others at no cost: it is charged until the last look
+    that found its answer missing."""
+    config = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(1)})
+    scheduler = SliceScheduler(config, quantum=0.02)
+    both = {"a": Observation(waiting=True), "b": Observation(waiting=True)}
+    holder = scheduler.step(0.0, both).holder
+    assert holder is not None
+    silent = {**both, holder: Observation(waiting=True, answered=False)}
+    assert scheduler.step(0.02, silent).open == frozenset()  # closed
+    for t in (0.03, 0.05, 0.08):
+        assert scheduler.step(t, silent).open == frozenset(), "still draining"
+    liar = {**both, holder: Observation(waiting=True, answered=True, drained_at=0.021)}
+    assert scheduler.step(0.081, liar).open, "the next one is granted"
+    assert scheduler.used()[holder] == pytest.approx(0.08)
