@@ -1,0 +1,74 @@
+"""Fixtures for the attack suite: one FUSE tree for the whole folder, a built
+attack program and root filesystem, and a fresh simulated host per test."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.attacks.node import SHAREWORK, Node, build_attacker, make_rootfs, missing, reset_tree
+from tests.conftest import MountedTree
+
+
+@pytest.fixture(scope="session")
+def attack_rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """busybox, the attack program and sharework with their libraries (copied per container)."""
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+    folder = tmp_path_factory.mktemp("attack-build")
+    root = folder / "rootfs"
+    make_rootfs(root, [build_attacker(folder), SHAREWORK])
+    return root
+
+
+@pytest.fixture(scope="session")
+def attack_tree() -> Iterator[Path]:
+    """One mounted control tree (1 GPU) for the folder: mounting costs seconds per test."""
+    why = missing()
+    if why is not None:
+        pytest.skip(why)
+    folder = Path(tempfile.mkdtemp(prefix="cgpu-attack-tree-"))
+    folder.chmod(0o755)
+    tree = MountedTree(folder / "cgpu_km", 1)
+    try:
+        yield tree.root
+    finally:
+        tree.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def make_node(attack_tree: Path, attack_rootfs: Path) -> Iterator[Callable[..., Node]]:
+    """Build the test's host (`context_mem`: simgpu's context size); torn down after it.
+
+    Its folder is world-traversable, unlike pytest's own, so that what stops a
+    host user who is not root is the region folder's own mode."""
+    nodes: list[Node] = []
+    folders: list[Path] = []
+
+    def build(context_mem: str = "0") -> Node:
+        folder = Path(tempfile.mkdtemp(prefix="cgpu-attack-"))
+        folder.chmod(0o755)
+        folders.append(folder)
+        nodes.append(Node(folder, attack_tree, attack_rootfs, context_mem=context_mem))
+        return nodes[-1]
+
+    try:
+        yield build
+    finally:
+        for node in nodes:
+            node.close()
+        reset_tree(attack_tree)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def node(make_node: Callable[..., Node]) -> Node:
+    """A host with simgpu's contexts free of charge (SIMGPU_CONTEXT_MEM=0)."""
+    return make_node()
