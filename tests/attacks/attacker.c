@@ -22,10 +22,11 @@
  *   slot                         this process's slot in the account part
  *   forge-own PID PIDNS MEM      rewrite this process's slot: pid, pid namespace, GPU 0 bytes
  *   forge I PID PIDNS START MEM  write slot I as a live slot of someone else
- *   fuzz SECONDS SEED            random bytes at random offsets of the account part, and
- *                                slots made to look live, waiting, watching and answering
- *                                with random figures, with the doorbell rung; also tries
- *                                the control part each round (must fail)
+ *   fuzz SECONDS SEED [slots]    random bytes at random offsets of the account part; with
+ *                                "slots", also slots made to look live, waiting, watching
+ *                                and answering closes with random figures, the doorbell
+ *                                rung each time; each round it also tries to write the
+ *                                control part (which must refuse)
  *   sleep MS
  *   exit
  */
@@ -268,7 +269,7 @@ static void forge_random_slot(struct cgpu_account *a, uint64_t *state)
     syscall(SYS_futex, &a->doorbell[g], FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
-static void cmd_fuzz(double seconds, unsigned long long seed)
+static void cmd_fuzz(double seconds, unsigned long long seed, int slots)
 {
     unsigned char *a = (unsigned char *)account();
     if (a == NULL) {
@@ -290,7 +291,7 @@ static void cmd_fuzz(double seconds, unsigned long long seed)
             uint64_t bytes = next_random(&state);
             memcpy(a + offset, &bytes, len);
             writes++;
-            if (i % 64 == 0) {
+            if (slots && i % 64 == 0) {
                 forge_random_slot((struct cgpu_account *)a, &state);
                 writes++;
             }
@@ -405,7 +406,7 @@ static void run(char *line)
         cmd_forge(atoi(ARG(1)), atoi(ARG(2)), strtoull(ARG(3), NULL, 0),
                   strtoull(ARG(4), NULL, 0), strtoull(ARG(5), NULL, 0));
     } else if (strcmp(op, "fuzz") == 0) {
-        cmd_fuzz(atof(ARG(1)), strtoull(ARG(2), NULL, 0));
+        cmd_fuzz(atof(ARG(1)), strtoull(ARG(2), NULL, 0), strcmp(ARG(3), "slots") == 0);
     } else if (strcmp(op, "sleep") == 0) {
         usleep((useconds_t)atoi(ARG(1)) * 1000);
         printf("sleep ok\n");

@@ -3,6 +3,7 @@ attack program and root filesystem, and a fresh simulated host per test."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.attacks.node import SHAREWORK, Node, build_attacker, make_rootfs, missing, reset_tree
+from tests.attacks.node import SHAREWORK, Node, build_attacker, built_node, make_rootfs, missing
 from tests.conftest import MountedTree
 
 
@@ -44,28 +45,10 @@ def attack_tree() -> Iterator[Path]:
 
 @pytest.fixture
 def make_node(attack_tree: Path, attack_rootfs: Path) -> Iterator[Callable[..., Node]]:
-    """Build the test's host (`context_mem`: simgpu's context size); torn down after it.
-
-    Its folder is world-traversable, unlike pytest's own, so that what stops a
-    host user who is not root is the region folder's own mode."""
-    nodes: list[Node] = []
-    folders: list[Path] = []
-
-    def build(context_mem: str = "0") -> Node:
-        folder = Path(tempfile.mkdtemp(prefix="cgpu-attack-"))
-        folder.chmod(0o755)
-        folders.append(folder)
-        nodes.append(Node(folder, attack_tree, attack_rootfs, context_mem=context_mem))
-        return nodes[-1]
-
-    try:
-        yield build
-    finally:
-        for node in nodes:
-            node.close()
-        reset_tree(attack_tree)
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
+    """Build the test's host (`built_node`); torn down after the test."""
+    with contextlib.ExitStack() as stack:
+        yield lambda context_mem="0": stack.enter_context(
+            built_node(attack_tree, attack_rootfs, context_mem))
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -500,3 +501,22 @@ def reset_tree(tree: Path) -> None:
     for node, value in (("0/policy", 1), ("0/max_inst", 16), ("0/prio_ratio", 80),
                         ("default_memsize", 0)):
         (tree / node).write_text(f"{value}\n")
+
+
+@contextlib.contextmanager
+def built_node(tree: Path, rootfs: Path, context_mem: str = "0") -> Iterator[Node]:
+    """A host on `tree` (`context_mem`: simgpu's context size), torn down after use.
+
+    Its folder is world-traversable, unlike pytest's own, so that what stops a
+    host user who is not root is the region folder's own mode."""
+    folder = Path(tempfile.mkdtemp(prefix="cgpu-attack-"))
+    try:
+        folder.chmod(0o755)
+        node = Node(folder, tree, rootfs, context_mem=context_mem)
+        try:
+            yield node
+        finally:
+            node.close()
+            reset_tree(tree)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
