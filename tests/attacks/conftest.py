@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.attacks.node import SHAREWORK, Node, build_attacker, built_node, make_rootfs, missing
+from tests.attacks.node import Node, build_attacker, built_node, make_rootfs, missing
 from tests.conftest import MountedTree
+from tests.daemon.simbox import SHAREWORK
 
 
 @pytest.fixture(scope="session")

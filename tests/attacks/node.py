@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -98,21 +98,21 @@ def make_rootfs(root: Path, binaries: Sequence[Path]) -> None:
     for binary in binaries:
         shutil.copy2(binary, root / binary.name)
         libs.update(shared_libraries(binary))
-    for lib in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        libs.update(shared_libraries(SIMGPU / lib))
-        shutil.copy2(SIMGPU / lib, root / GPU_LIBS.lstrip("/") / lib)
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        libs.update(shared_libraries(SIMGPU / name))
+        shutil.copy2(SIMGPU / name, root / GPU_LIBS.lstrip("/") / name)
     libs.update(shared_libraries(LIBCGPU))
     for lib in libs:
         if lib.resolve().parent == SIMGPU.resolve():
-            continue
+            continue  # simgpu's own are where a driver's would be (above)
         target = root / str(lib).lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(lib.resolve(), target)
 
 
-def wait_for(predicate: object, timeout: float, what: str, step: float = 0.05) -> float:
+def wait_for(predicate: Callable[[], object], timeout: float, what: str,
+             step: float = 0.05) -> float:
     """Poll `predicate()` until true; seconds it took. AssertionError after `timeout`."""
-    assert callable(predicate)
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:
@@ -194,6 +194,10 @@ class Proc:
         assert found is not None, "the process is not visible on the host"
         self.host_pid = found
         return self
+
+    def unread(self) -> bytes:
+        """Output read from the pipe but not returned as a line yet."""
+        return self._buffer
 
     def stderr(self) -> str:
         """What `runc exec` and the process wrote on stderr (libcgpu's messages too)."""
@@ -321,7 +325,7 @@ class ShareJob:
         assert self.popen.stdout is not None
         out, _ = self.popen.communicate(timeout=timeout)
         assert self.popen.returncode == 0, f"sharework in {self.name}: {self.popen.returncode}"
-        return parse_report((self.proc._buffer + out).decode())
+        return parse_report((self.proc.unread() + out).decode())
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -131,12 +132,11 @@ def test_a_process_killed_at_the_gate_is_reclaimed_within_a_scan(node: Node) -> 
 
 
 def test_the_context_charge_is_measured_and_a_process_at_its_limit_is_not_stopped(
-    make_node: object
+    make_node: Callable[..., Node]
 ) -> None:
     """Attack 10: the context's memory is charged as measured (simgpu's 300 MiB), so a
     process exactly at its limit is within it for the backstop too."""
-    assert callable(make_node)
-    node: Node = make_node(context_mem="300MiB")
+    node = make_node(context_mem="300MiB")
     node.start_daemon()
     container = node.container(cgpu_mem(1024))
     proc = container.proc()
