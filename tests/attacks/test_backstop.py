@@ -1,0 +1,173 @@
+"""Attacks on what the containers report: process slots, and processes without libcgpu.
+
+Issue 13, attacks 4, 9 and 10, and a bypass of libcgpu: each with the real
+daemon (its backstop reads NVML's host pids and asks the kernel which
+container each is in) and containers under real runc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+
+import pytest
+
+from cgpu_km import kernelview
+from tests.attacks.node import (
+    MIB,
+    VENV_BIN,
+    Container,
+    Node,
+    Proc,
+    fields,
+    missing,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+
+GIB = 1 << 30
+STOPPED = 128 + signal.SIGKILL  # what `runc exec` returns for a process killed by SIGKILL
+# The backstop reads NVML every 0.5 s; a stop takes that plus NVML's and the kernel's answers.
+BACKSTOP_WINDOW = 3.0
+
+
+def cgpu_mem(mib: int) -> dict[str, str]:
+    """A cGPU container's environment for a limit of `mib` MiB on the simulated T4."""
+    return {"ALIYUN_COM_GPU_MEM_CONTAINER": str(mib), "ALIYUN_COM_GPU_MEM_DEV": "15109"}
+
+
+def over_limit_logged(node: Node, container: Container) -> bool:
+    return f"container {container.id12} on GPU 0 holds" in node.sim.daemon_log()
+
+
+def stopped_or_refused(proc: Proc, answer: str) -> None:
+    """An allocation past the limit is refused, or the backstop stops the process soon."""
+    if answer == "alloc rc=2":
+        return
+    assert answer == "alloc rc=0", answer
+    assert proc.wait(BACKSTOP_WINDOW) == STOPPED, "the backstop did not stop the process"
+
+
+def test_a_process_that_rewrites_its_slot_is_still_counted_and_stopped(node: Node) -> None:
+    """Attack 4(a): a process holding GPU memory rewrites its own slot (pid 1, a made-up pid
+    namespace, nothing held), then allocates past its limit."""
+    node.start_daemon()
+    container = node.container(cgpu_mem(512))
+    attacker = container.proc()
+    assert attacker.ask(f"alloc {300 * MIB}") == "alloc rc=0"
+    assert attacker.ask("forge-own 1 4026539999 0") == "forge-own ok"
+    wait_for(lambda: node.meminfo(container) == (212 * MIB, {attacker.host_pid: 300 * MIB}), 3,
+             "meminfo listing the process by its host pid")
+    stopped_or_refused(attacker, attacker.ask(f"alloc {300 * MIB}"))
+    assert over_limit_logged(node, container)
+    assert attacker.host_pid not in node.nvml_processes()
+
+
+def test_a_forged_slot_naming_a_neighbour_stops_nobody(node: Node) -> None:
+    """Attack 4(b): a container that uses no GPU writes slots naming another container's
+    process (by host pid, and by its pid namespace and pid), far over its own limit."""
+    node.start_daemon()
+    victim_container = node.container(cgpu_mem(512))
+    victim = victim_container.proc()
+    assert victim.ask(f"alloc {300 * MIB}") == "alloc rc=0"
+    forger_container = node.container(cgpu_mem(64), user=0)
+    forger = forger_container.proc()
+    info = kernelview.process_info(victim.host_pid)
+    assert info is not None
+    host_ns = os.stat("/proc/self/ns/pid").st_ino
+    assert forger.ask(f"forge 0 {victim.host_pid} {host_ns} {info.start_time} {10 * GIB}") == \
+        "forge ok"
+    assert forger.ask(f"forge 1 {victim.pid} {victim_container.pidns()} {info.start_time} "
+                      f"{10 * GIB}") == "forge ok"
+    forged = forger_container.region()
+    assert len(forged.processes()) == 2
+    wait_for(lambda: forged.processes() == [], 3, "the daemon freeing the forged slots")
+    forged.close()
+    time.sleep(1.0)  # two more rounds of the backstop
+    assert victim.alive()
+    assert forger.alive()
+    assert victim.ask("alloc 1") == "alloc rc=0"
+    assert node.meminfo(forger_container) == (64 * MIB, {})
+    wait_for(lambda: node.meminfo(victim_container)[1] == {victim.host_pid: 300 * MIB + 1}, 3,
+             "the victim's own meminfo")
+    assert "over its limit" not in node.sim.daemon_log()
+
+
+def smi_pids(node: Node) -> set[int]:
+    """The pids that `cgpu-smi --json` shows on GPU 0."""
+    out = subprocess.run([str(VENV_BIN / "cgpu-smi"), "--json", "--root", str(node.tree),
+                          "--state-dir", str(node.state_dir)], env=node.env,
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    view = json.loads(out)
+    return {p["pid"] for c in view["gpus"][0]["containers"] for p in c["processes"]}
+
+
+def test_a_process_killed_at_the_gate_is_reclaimed_within_a_scan(node: Node) -> None:
+    """Attack 9: a process SIGKILLed while it waits at a closed gate, holding memory."""
+    node.echo("0/policy", 3)  # fixed shares: a container of weight 0 never gets the GPU
+    node.start_daemon()
+    container = node.container(cgpu_mem(512))
+    node.echo(f"0/{container.id12}/weight", 0)
+    region = container.region()
+    waiter = container.proc()
+    assert waiter.ask(f"alloc {100 * MIB}") == "alloc rc=0"
+    waiter.send("launch 1 1000")
+    wait_for(lambda: region.activity(0).pending == 1, 3, "the launch waiting at the gate")
+    assert waiter.read_line(0.3) is None  # still waiting
+    assert region.usage(0) == 100 * MIB
+    wait_for(lambda: waiter.host_pid in smi_pids(node), 5, "cgpu-smi showing the process")
+
+    os.kill(waiter.host_pid, signal.SIGKILL)
+    took = wait_for(lambda: region.processes() == [], 3, "the daemon reclaiming the slot")
+    assert took <= 2.0  # one full scan (every second) and the scan itself
+    assert (region.usage(0), region.activity(0).pending) == (0, 0)
+    wait_for(lambda: waiter.host_pid not in smi_pids(node), 5, "cgpu-smi dropping the process")
+    assert waiter.wait(5) == STOPPED
+    region.close()
+
+
+def test_the_context_charge_is_measured_and_a_process_at_its_limit_is_not_stopped(
+    make_node: Callable[..., Node]
+) -> None:
+    """Attack 10: the context's memory is charged as measured (simgpu's 300 MiB), so a
+    process exactly at its limit is within it for the backstop too."""
+    node = make_node(context_mem="300MiB")
+    node.start_daemon()
+    container = node.container(cgpu_mem(1024))
+    proc = container.proc()
+    assert proc.ask(f"alloc {724 * MIB}") == "alloc rc=0"
+    slot = fields(proc.ask("slot"))
+    assert slot["ctx_bytes"] == str(300 * MIB)
+    assert proc.ask("alloc 1") == "alloc rc=2"
+    assert node.nvml_processes()[proc.host_pid] == 1024 * MIB  # exactly the limit
+    wait_for(lambda: node.meminfo(container) == (0, {proc.host_pid: 1024 * MIB}), 3,
+             "meminfo showing the process at its limit")
+    time.sleep(1.5)  # three rounds of the backstop
+    assert proc.alive()
+    assert proc.ask("info") == f"info free=0 total={1024 * MIB} rc=0"
+    assert not over_limit_logged(node, container)
+
+
+@pytest.mark.parametrize("move", [
+    "mv /run/cgpu /run/elsewhere",  # libcgpu loads but finds no region
+    "mv /etc /etc.image && mkdir /etc",  # the loader finds no ld.so.preload
+], ids=["region", "preload"])
+def test_moving_the_mounts_away_only_bypasses_libcgpu_and_the_backstop_stops_it(
+    node: Node, move: str
+) -> None:
+    """Root inside renames a folder above the read-only mounts (the folders are the image's
+    own, not mount points) and runs with an empty CGPU_REGION: libcgpu finds no region, or
+    is not loaded at all. Like any process that bypasses libcgpu (a static binary, its own
+    loader), it is then counted from NVML and stopped by the backstop: memory holds; compute
+    sharing with such a process is cooperative (README, Security model)."""
+    node.start_daemon()
+    container = node.container(cgpu_mem(256), user=0)
+    assert container.sh(f"{move} && echo moved").strip() == "moved"
+    proc = container.proc(env={"CGPU_REGION": ""})
+    stopped_or_refused(proc, proc.ask(f"alloc {300 * MIB}"))
+    assert proc.host_pid not in node.nvml_processes()
