@@ -6,9 +6,7 @@
   tree lists the containers (`cgpu_km.registry`);
 - scheduling: one `cgpu_km.dispatch.Dispatcher` thread per GPU over the
   regions of that GPU's containers; GPU time is what the dispatcher charged
-  from grants to drain answers, never NVML's utilization; a drain answer
-  counts as no earlier than the dispatcher last saw it missing
-  (`CheckedRegionPort`);
+  from grants to drain answers, never NVML's utilization;
 - memory: NVML's running processes (host pids), put into containers by the
   kernel (`cgpu_km.backstop.measure`); processes are stopped only after the
   kernel confirmed who they are;
@@ -20,13 +18,12 @@ of the daemon's loops (as gpustat does).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
 
@@ -34,42 +31,9 @@ from cgpu_km import backstop, kernelview
 from cgpu_km import region as region_mod
 from cgpu_km.dispatch import Dispatcher, Figures, RegionPort
 from cgpu_km.registry import Key, Registry
-from cgpu_km.sched import GpuConfig, Observation
+from cgpu_km.sched import GpuConfig
 
 log = logging.getLogger("cgpu-daemon")
-
-
-class CheckedRegionPort(RegionPort):
-    """`RegionPort` that does not take the date of a drain answer on trust.
-
-    A container's processes answer a close with the time their queued work
-    finished (`drained_ns`), and the holder is charged up to that time. The
-    dispatcher grants nobody else until the answer comes, so a container
-    that answered late but dated its answer early would keep the GPU idle
-    for its neighbours (up to the drain timeout, again at every slice) and
-    pay nothing for it. Here an answer counts as no earlier than the last
-    time this port looked and found it still missing: a late answer is
-    charged to the one who was late. An honest answer is moved by at most
-    the time its watcher took to write it."""
-
-    def __init__(self, gpu: int, clock: Callable[[], int] = time.monotonic_ns) -> None:
-        super().__init__(gpu)
-        self._clock = clock
-        self._missing_at: dict[str, float] = {}  # when each was last seen not answering
-
-    def observe(self) -> dict[str, Observation]:
-        looked_at = self._clock() / 1e9  # the slots are read after this
-        found = super().observe()
-        for name, seen in found.items():
-            if not seen.answered:
-                self._missing_at[name] = looked_at
-                continue
-            missing_at = self._missing_at.pop(name, None)
-            if missing_at is not None and seen.drained_at < missing_at:
-                found[name] = dataclasses.replace(seen, drained_at=missing_at)
-        for name in set(self._missing_at) - set(found):
-            del self._missing_at[name]
-        return found
 
 
 class RegionPlane:
@@ -103,7 +67,7 @@ class RegionPlane:
         with self._lock:
             dispatcher = self._dispatchers.get(gpu)
             if dispatcher is None:
-                port = CheckedRegionPort(gpu)
+                port = RegionPort(gpu)
                 port.set_entries(self.registry.entries_for(gpu))
                 dispatcher = Dispatcher(gpu, port, config, quantum=self.quantum)
                 if state:

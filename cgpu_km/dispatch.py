@@ -16,11 +16,12 @@ the holder) are read by the publishing service through `figures()`.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
@@ -32,6 +33,8 @@ from cgpu_km.sched import GpuConfig, Observation, SliceDecision, SliceScheduler
 log = logging.getLogger("cgpu-daemon")
 
 HEARTBEAT_NS = 500_000_000  # gates fail open when the heartbeat is 2 s old
+RING_LIMIT = 200  # rings a second a container may wake the dispatcher with ...
+MUTE_NS = 50_000_000  # ... before its rings are not waited on for this long
 IDLE_WAKE_NS = 1_000_000_000  # look again at least this often
 
 
@@ -47,8 +50,9 @@ class GpuPort(Protocol):
     def heartbeat(self, now_ns: int) -> None:
         """Tell every container that the daemon is alive."""
 
-    def wait(self, deadline_ns: int) -> None:
-        """Sleep until the deadline or until something rings."""
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> None:
+        """Sleep until the deadline or until something rings (`quiet`: those
+        whose ring would tell nothing new; the holder's rings are its answers)."""
 
     def kick(self) -> None:
         """Wake `wait` now (new configuration, new containers, stop)."""
@@ -80,6 +84,7 @@ class Dispatcher:
         self._scheduler = SliceScheduler(config, quantum=quantum)
         self._stop = threading.Event()
         self._decision: SliceDecision | None = None
+        self._observed: Mapping[str, Observation] = {}
         self._steps = 0
         self._last_step = time.monotonic()
         self.error: BaseException | None = None
@@ -117,7 +122,7 @@ class Dispatcher:
 
     def step(self) -> SliceDecision:
         """One observe-decide-apply round (the thread's body; tests call it directly)."""
-        observed = self.port.observe()
+        observed = self._observed = self.port.observe()
         now = self.clock()
         with self._lock:
             before = self._decision
@@ -145,7 +150,12 @@ class Dispatcher:
                     next_beat = now + HEARTBEAT_NS
                 wake = decision.wake_at * 1e9 if decision.wake_at != float("inf") else now + \
                     IDLE_WAKE_NS
-                self.port.wait(int(min(wake, next_beat, now + IDLE_WAKE_NS)))
+                # A container already seen waiting tells nothing new by ringing (a
+                # hostile one may ring without end); the holder's rings are answers.
+                quiet = {n for n, seen in self._observed.items()
+                         if seen.waiting and n != decision.holder}
+                self.port.wait(int(min(wake, next_beat, now + IDLE_WAKE_NS)), quiet,
+                               decision.holder)
         except BaseException as error:  # logged; the daemon's watchdog notices the silence
             self.error = error
             log.exception("GPU %d: dispatcher failed", self.gpu)
@@ -164,6 +174,8 @@ class RegionPort:
         self._kick = ctypes.c_uint32(0)
         self._lock = threading.Lock()
         self._applied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._rings: dict[str, collections.deque[int]] = {}
+        self._muted_until: dict[str, int] = {}
 
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
         """The containers on this GPU: name -> (its region, its container GPU)."""
@@ -211,13 +223,30 @@ class RegionPort:
         for region, _k in self.entries().values():
             region.heartbeat(now_ns)
 
-    def wait(self, deadline_ns: int) -> None:
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> None:
+        """Until the deadline, a kick, or a ring of a container that is not quiet
+        and, unless it holds the GPU, has not rung more than RING_LIMIT times in
+        the last second (those are looked at when the dispatcher wakes for
+        another reason)."""
+        now = time.monotonic_ns()
         words = [(ctypes.addressof(self._kick), self._kick.value, False)]
+        names: list[str | None] = [None]
         for name, (region, k) in self.entries().items():
             seen = self._rung.get(name)
-            if seen is not None:
-                words.append((region.doorbell_address(k), seen, True))
-        futex.wait_any(words, deadline_ns)
+            if seen is None or name in quiet or (
+                    name != holder and self._muted_until.get(name, 0) > now):
+                continue
+            words.append((region.doorbell_address(k), seen, True))
+            names.append(name)
+        woken = futex.wait_any(words, deadline_ns)
+        ringer = names[woken] if 0 <= woken < len(names) else None
+        if ringer is not None and ringer != holder:
+            rings = self._rings.setdefault(ringer, collections.deque())
+            rings.append(now)
+            while rings and now - rings[0] > 1_000_000_000:
+                rings.popleft()
+            if len(rings) > RING_LIMIT:
+                self._muted_until[ringer] = now + MUTE_NS
 
     def kick(self) -> None:
         self._kick.value = (self._kick.value + 1) & 0xFFFFFFFF

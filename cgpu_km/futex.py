@@ -55,19 +55,21 @@ def wake_private(address: int) -> None:
                   None, None, ctypes.c_int(0))
 
 
-def wait_any(words: Sequence[tuple[int, int, bool]], deadline_ns: int) -> None:
+def wait_any(words: Sequence[tuple[int, int, bool]], deadline_ns: int) -> int:
     """Wait until a word changes or CLOCK_MONOTONIC reaches `deadline_ns`.
 
     `words`: (address, the value last seen, shared between processes). At
-    most 128 words (the kernel's limit); returns early, never late."""
+    most 128 words (the kernel's limit); returns early, never late: the index
+    of the word that was woken, else -1 (a deadline, a value that had already
+    changed, or no futex_waitv)."""
     global _have_waitv
     now = time.monotonic_ns()
     if deadline_ns <= now:
-        return
+        return -1
     if not words or len(words) > 128 or not _have_waitv:
         time.sleep(min(FALLBACK_SLEEP, (deadline_ns - now) / 1e9) if words else
                    (deadline_ns - now) / 1e9)
-        return
+        return -1
     waiters = (_Waiter * len(words))()
     for waiter, (address, value, shared) in zip(waiters, words, strict=True):
         waiter.uaddr = address
@@ -79,6 +81,7 @@ def wait_any(words: Sequence[tuple[int, int, bool]], deadline_ns: int) -> None:
     if rc < 0 and ctypes.get_errno() == errno.ENOSYS:
         _have_waitv = False
         time.sleep(min(FALLBACK_SLEEP, (deadline_ns - now) / 1e9))
+    return int(rc) if rc >= 0 else -1
 
 
 def available() -> bool:

@@ -291,6 +291,7 @@ class SliceScheduler:
         # closed, not answered: (charged up to, last seen still not answering)
         self._late: dict[str, tuple[float, float]] = {}
         self._missing_at = 0.0  # the holder's drain: last seen still not answered
+        self._free_since: float | None = None  # the GPU free since, during a switch
         self._native_open: frozenset[str] = frozenset()
         self._set_allot()
 
@@ -450,28 +451,31 @@ class SliceScheduler:
             self._charge(holder, end - self._granted_at)
             if not seen.answered:
                 self._late[holder] = (end, end)  # the rest is charged when it answers
-            self.holder, self._closed_at = None, None
+            self.holder, self._closed_at, self._free_since = None, None, end
         return self._grant(now, waiting)
 
-    def _settle(self, waiting: Set[str]) -> None:
-        """Move what the waiting containers have in common out of the books,
-        keeping their standing relative to their shares.
+    def _settle(self, now: float, waiting: Set[str]) -> None:
+        """Take out of the books what nobody is owed, before a grant.
 
-        Time the GPU spent switching is owed to nobody: when every waiting
-        container is owed time, their common part goes (so no credit grows
-        without bound). Under the work-conserving policies time used while
-        nobody else wanted the GPU is lent, not owed: when every waiting
-        container owes time, their common debt goes."""
-        owed = [n for n in waiting if self._rates[n][0] > 0]
-        if not owed:
+        The time from the last holder's drain answer to this grant, while a
+        switch was under way, is owed to nobody: what it accrued goes (so no
+        credit grows without bound, and time a container held and paid for
+        stays owed to the others). Under the work-conserving policies time
+        used while nobody else wanted the GPU is lent, not owed: when every
+        waiting container owes time, their common debt goes (keeping their
+        standing relative to their shares)."""
+        if self._free_since is not None:
+            switch = max(0.0, now - self._free_since)
+            for name in self._active:
+                self._accounts[name].credit -= self._rates[name][0] * switch
+            self._free_since = None
+        if not self._config.policy.work_conserving:
             return
+        owed = [n for n in waiting if self._rates[n][0] > 0]
         standing = [self._accounts[n].credit / self._rates[n][0] for n in owed]
-        common = min(standing) if min(standing) > 0 else 0.0
-        if max(standing) < 0 and self._config.policy.work_conserving:
-            common = max(standing)
-        if common:
+        if standing and max(standing) < 0:
             for name in owed:
-                self._accounts[name].credit -= common * self._rates[name][0]
+                self._accounts[name].credit -= max(standing) * self._rates[name][0]
 
     def _slice_length(self, name: str) -> float:
         """A quantum for the smallest share among the active containers,
@@ -484,7 +488,9 @@ class SliceScheduler:
         return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
 
     def _grant(self, now: float, waiting: Set[str]) -> SliceDecision:
-        self._settle(waiting)
+        if not any(self._eligible(n) for n in waiting):
+            self._free_since = None  # idle because nobody may run: that time is owed
+        self._settle(now, waiting)
         candidates = [n for n in waiting if self._eligible(n)]
         if candidates:
             prio = [n for n in candidates if self._allot[n].preempts]

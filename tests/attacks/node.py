@@ -79,7 +79,7 @@ def build_attacker(out: Path) -> Path:
     binary = out / "attacker"
     subprocess.run(
         ["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror",
-         f"-I{SIMGPU / 'include'}", f"-I{REPO / 'libcgpu'}", "-o", str(binary),
+         f"-I{REPO / 'libcgpu' / 'include'}", f"-I{REPO / 'libcgpu'}", "-o", str(binary),
          str(HERE / "attacker.c"), f"-L{SIMGPU}", "-lcuda", "-ldl"], check=True)
     return binary
 
