@@ -4,7 +4,7 @@ It merges two sources:
 
 - the control tree (`--root`), always: the live configuration (policy,
   max_inst, weights, memory limits) and the processes in `meminfo`;
-- the daemon's snapshot (`--state-dir`, see cgpu_km.snapshot): GPU names
+- the daemon's snapshot (`--state-dir`, see cgpu_km.daemon.snapshot): GPU names
   and UUIDs, usage, target shares, achieved utilization and counters.
 
 The daemon counts as running when the snapshot's pid is alive and the
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cgpu_km import __version__, treefs
-from cgpu_km.snapshot import (
+from cgpu_km import __version__
+from cgpu_km.daemon.snapshot import (
     ProcessFigures,
     Snapshot,
     SnapshotError,
@@ -35,6 +35,7 @@ from cgpu_km.snapshot import (
     resolve_state_dir,
     snapshot_path,
 )
+from cgpu_km.tree import client as treefs
 
 POLICY_NAMES = ("fair-share", "preemptive", "weighted", "fixed", "soft", "native")
 MIB = 1 << 20

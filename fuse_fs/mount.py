@@ -1,6 +1,6 @@
 """cgpu-fuse: serve the control tree with FUSE, for hosts without the module.
 
-The tree's rules live in `cgpu_km.tree.ControlTree`; this file only maps
+The tree's rules live in `cgpu_km.tree.model.ControlTree`; this file only maps
 FUSE operations onto it.  Files are opened with `direct_io` and a snapshot
 of the content taken at open, so `cat` sees one consistent value; sizes are
 reported as 4096 (as sysfs does) so readers that trust `st_size` or use
@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 import fuse
 
-from cgpu_km.tree import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
+from cgpu_km.tree.model import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
 
 FILE_SIZE = 4096
 DIR_MODE = 0o555

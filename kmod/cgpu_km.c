@@ -4,8 +4,8 @@
  *
  * The contract (nodes, modes, values, errno) is ../shared/DESIGN.md, "The
  * control tree"; where it is silent this module follows the Python state
- * model cgpu_km/tree.py, which the FUSE tree serves.  The node table comes
- * from cgpu_km/nodes.py through the generated cgpu_km_nodes.h.
+ * model cgpu_km/tree/model.py, which the FUSE tree serves.  The node table comes
+ * from cgpu_km/tree/nodes.py through the generated cgpu_km_nodes.h.
  *
  * Layout: one proc directory per object (root, GPU, container) and one
  * proc_create_data() per node.  Every node's proc data is a struct cgpu_leaf

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: GPL-2.0-only */
 /*
- * The control tree's node table, generated from cgpu_km/nodes.py by
- * `python -m cgpu_km.gen_kmod_header kmod/cgpu_km_nodes.h`. Do not edit:
+ * The control tree's node table, generated from cgpu_km/tree/nodes.py by
+ * `python -m cgpu_km.tree.kmod_header kmod/cgpu_km_nodes.h`. Do not edit:
  * tests/kmod/test_header.py fails when this file is stale.
  */
 #ifndef CGPU_KM_NODES_H

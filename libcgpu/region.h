@@ -17,7 +17,7 @@
  *
  * Both are mapped MAP_SHARED by every process of the container and by the
  * daemon. Their layouts are versioned: a reader refuses a file whose magic,
- * version or size differ. cgpu_km/region.py mirrors this header with ctypes;
+ * version or size differ. cgpu_km/dataplane/region.py mirrors this header with ctypes;
  * a test compiles a probe against this file and compares every offset.
  *
  * Rules that make it safe without locks (a killed process can hold nothing):

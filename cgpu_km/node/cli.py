@@ -19,10 +19,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cgpu_km.container.oci.settings import DEFAULT_STATE, MODES
 from cgpu_km.node.install import ENGINES, InstallError, Layout, Options, install, uninstall
 from cgpu_km.node.prefix import default_python
 from cgpu_km.node.record import Record
-from cgpu_km.oci.settings import DEFAULT_STATE, MODES
 
 PROG = "cgpu-node"
 ENGINE_PROGRAMS = {"docker": "dockerd", "containerd": "containerd", "podman": "podman"}

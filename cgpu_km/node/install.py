@@ -29,18 +29,18 @@ from pathlib import Path
 from typing import Any
 
 from cgpu_km import paths
-from cgpu_km.node import containerdconf, dockerconf, podmanhooks
-from cgpu_km.node.edits import Doc, Edit, undo
-from cgpu_km.node.prefix import PrefixError, build_prefix, checkout
-from cgpu_km.node.record import Record
-from cgpu_km.oci.settings import (
+from cgpu_km.container.oci.settings import (
     DEFAULT_PATH,
     DEFAULT_RUNTIMES,
     DEFAULT_STATE,
     Settings,
     render_settings,
 )
-from cgpu_km.oci.spec import HookCall, SimGpu
+from cgpu_km.container.oci.spec import HookCall, SimGpu
+from cgpu_km.node import containerdconf, dockerconf, podmanhooks
+from cgpu_km.node.edits import Doc, Edit, undo
+from cgpu_km.node.prefix import PrefixError, build_prefix, checkout
+from cgpu_km.node.record import Record
 
 PROGRAMS = ("cgpu-hook", "cgpu-container-runtime", "cgpu-daemon", "cgpu-fuse", "cgpu-smi",
             "cgpu-run", "cgpu-node")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cgpu_km.oci.spec import STAGES, HookCall
+from cgpu_km.container.oci.spec import STAGES, HookCall
 
 FILE_PREFIX = "cgpu-"
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from cgpu_km import region as region_mod
-from cgpu_km import treefs
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.tree import client as treefs
 from tests.bench.shares import Report, parse_report
 from tests.daemon.simbox import SHAREWORK, SIMGPU, SimHost
 from tests.libcgpu.test_runc_e2e import shared_libraries

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cgpu_km import kernelview
+from cgpu_km.dataplane import kernelview
 from tests.attacks.node import (
     MIB,
     VENV_BIN,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 from tests.attacks.node import (
     MIB,
     Node,

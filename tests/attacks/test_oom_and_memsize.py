@@ -3,7 +3,7 @@
 Issue 13, attacks 5(a), 5(b) and 7, with the real daemon, which carries a
 memsize written in the tree into the region within a period and stops eGPU
 processes over their limit (the OOM script first, run inside the container
-by `cgpu_km.nsexec`).
+by `cgpu_km.container.nsexec`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 from tests.attacks.node import MIB, NOBODY, Container, Node, fields, missing, wait_for
 from tests.attacks.test_backstop import STOPPED, cgpu_mem, over_limit_logged, stopped_or_refused
 

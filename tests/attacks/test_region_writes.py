@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 from tests.attacks.node import MIB, NOBODY, SETPRIV, Node, fields, missing, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(missing() is not None, reason=str(missing()))]

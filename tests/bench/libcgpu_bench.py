@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 
 REPO = Path(__file__).resolve().parents[2]
 SIMGPU = REPO / "simgpu"

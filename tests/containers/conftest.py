@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.image import build_rootfs, rootfs_tar
+from cgpu_km.demo.image import build_rootfs, rootfs_tar
 from tests.containers.helpers import SimHost, built
 
 

@@ -7,9 +7,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cgpu_km import paths, treefs
-from cgpu_km.oci.settings import DEFAULT_PATH, Settings, render_settings
-from cgpu_km.oci.spec import HookCall, SimGpu
+from cgpu_km import paths
+from cgpu_km.container.oci.settings import DEFAULT_PATH, Settings, render_settings
+from cgpu_km.container.oci.spec import HookCall, SimGpu
+from cgpu_km.tree import client as treefs
 
 VENV_BIN = Path(sys.executable).parent
 WRAPPER = VENV_BIN / "cgpu-container-runtime"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.container.oci.settings import CONFIG_ENV
 from cgpu_km.node import cli
-from cgpu_km.oci.settings import CONFIG_ENV
 from tests.containers.conftest import Image
 from tests.containers.helpers import LIMIT_6_OF_15, NOTHING, WRAPPER, SimHost, missing
 

@@ -1,7 +1,7 @@
 """A real dockerd (docker.io 20.10) with cgpu-container-runtime as the runtime `cgpu`,
 on a simulated host (simgpu with two T4s, a FUSE tree): containers run the way
 the cGPU documents run them, and the tree, the limits inside and the errors
-are checked. One private engine per module (cgpu_km.dockerd), its containers
+are checked. One private engine per module (cgpu_km.demo.dockerd), its containers
 removed after each test."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.dockerd import PrivateDocker
-from cgpu_km.oci.settings import CONFIG_ENV
+from cgpu_km.container.oci.settings import CONFIG_ENV
+from cgpu_km.demo.dockerd import PrivateDocker
 from tests.containers.conftest import Image
 from tests.containers.helpers import (
     CUDA_OOM,

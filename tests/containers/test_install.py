@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.dockerd import PrivateDocker
-from cgpu_km.oci.settings import CONFIG_ENV
+from cgpu_km.container.oci.settings import CONFIG_ENV
+from cgpu_km.demo.dockerd import PrivateDocker
 from tests.containers.conftest import Image
 from tests.containers.helpers import DEVICES, IMAGE, LIMIT_6_OF_15, NOTHING, SimHost, missing
 

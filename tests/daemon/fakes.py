@@ -1,7 +1,7 @@
 """In-memory stand-ins for the daemon's edges: a control tree and a data plane.
 
 `MemoryTree` holds a tree in memory with the daemon-facing operations of
-`cgpu_km.daemon_io.Tree`; `FakePlane` records what the daemon asks of the
+`cgpu_km.daemon.edges.Tree`; `FakePlane` records what the daemon asks of the
 data plane (configurations, limits, stops) and returns the memory figures a
 test sets. Nothing here touches the system; trio's mock clock works.
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from cgpu_km.backstop import ContainerMemory, MemoryView
-from cgpu_km.daemon_io import ContainerNodes, GpuNodes, Key, QuickView
-from cgpu_km.dispatch import Figures
-from cgpu_km.sched import GpuConfig
-from cgpu_km.treefs import ContainerView, GpuView
+from cgpu_km.daemon.backstop import ContainerMemory, MemoryView
+from cgpu_km.daemon.dispatch import Figures
+from cgpu_km.daemon.edges import ContainerNodes, GpuNodes, Key, QuickView
+from cgpu_km.daemon.sched import GpuConfig
+from cgpu_km.tree.client import ContainerView, GpuView
 
 
 @dataclass

@@ -19,9 +19,9 @@ import pytest
 import trio
 import trio.testing
 
-from cgpu_km.daemon import STATE_NAME, UPGRADED_ENV, Daemon, Settings, run_with_signals
-from cgpu_km.sched import ContainerSpec, Policy
-from cgpu_km.sdnotify import Notifier
+from cgpu_km.daemon.core import STATE_NAME, UPGRADED_ENV, Daemon, Settings, run_with_signals
+from cgpu_km.daemon.sched import ContainerSpec, Policy
+from cgpu_km.daemon.sdnotify import Notifier
 from tests.daemon.fakes import FakePlane, MemoryTree
 
 T = TypeVar("T")

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgpu_km import kernelview
-from cgpu_km.backstop import Grandfather, over_limit
-from cgpu_km.kernelview import Host, Owner, ProcessInfo
+from cgpu_km.daemon.backstop import Grandfather, over_limit
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane.kernelview import Host, Owner, ProcessInfo
 
 HOST = Host(pidns=100, cgroups={"0::": {"/"}, "4:memory": {"/", "/daemon"}})
 
@@ -125,7 +125,7 @@ def test_grandfathered_limit_is_never_below_the_limit(limit: int, usage: int) ->
 
 
 def test_nsexec_refuses_a_process_that_is_gone() -> None:
-    result = subprocess.run([sys.executable, "-m", "cgpu_km.nsexec", "--pid", "999999999",
+    result = subprocess.run([sys.executable, "-m", "cgpu_km.container.nsexec", "--pid", "999999999",
                              "--", "true"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 125
     assert "cannot enter the container of pid 999999999" in result.stderr

@@ -13,13 +13,14 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from cgpu_km import futex, treefs
-from cgpu_km import region as region_mod
-from cgpu_km.backstop import Nvml, stop_process
-from cgpu_km.daemon import Daemon, Settings
-from cgpu_km.daemon_io import Change, FsTree, InotifyWatcher
-from cgpu_km.daemon_plane import RegionPlane
-from cgpu_km.sched import ContainerSpec, GpuConfig, Policy
+from cgpu_km.daemon.backstop import Nvml, stop_process
+from cgpu_km.daemon.core import Daemon, Settings
+from cgpu_km.daemon.edges import Change, FsTree, InotifyWatcher
+from cgpu_km.daemon.plane import RegionPlane
+from cgpu_km.daemon.sched import ContainerSpec, GpuConfig, Policy
+from cgpu_km.dataplane import futex
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.tree import client as treefs
 from tests.daemon.fakes import FakePlane
 
 
@@ -140,9 +141,9 @@ def test_fstree_reads_what_echo_wrote(control_tree: Path) -> None:
 
 @pytest.fixture
 def plain_tree(tmp_path: Path) -> Iterator[Path]:
-    """The mount-free tree (`cgpu_km.plaintree`): node files replaced by rename."""
+    """The mount-free tree (`cgpu_km.tree.plain`): node files replaced by rename."""
     root = tmp_path / "plain"
-    process = subprocess.Popen([sys.executable, "-m", "cgpu_km.plaintree", "--root", str(root),
+    process = subprocess.Popen([sys.executable, "-m", "cgpu_km.tree.plain", "--root", str(root),
                                 "--gpus", "2"], stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 15

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpu_km.envplan import (
+from cgpu_km.container.envplan import (
     DISABLED,
     GIB,
     MIB,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import treefs
+from cgpu_km.tree import client as treefs
 
 REPO = Path(__file__).resolve().parents[2]
 CONFORMANCE = REPO / "tests" / "conformance" / "conformance.sh"

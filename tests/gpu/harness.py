@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
-from cgpu_km import treefs  # noqa: E402
+from cgpu_km.tree import client as treefs  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -138,8 +138,8 @@ class Config:
         return [self.python, str(HERE / script)]
 
     def cgpu_run(self, name: str, *, memsize: int, weight: int = 1) -> list[str]:
-        command = [self.python, "-m", "cgpu_km.run", "--name", name, "--memsize", str(memsize),
-                   "--weight", str(weight)]
+        command = [self.python, "-m", "cgpu_km.container.run", "--name", name,
+                   "--memsize", str(memsize), "--weight", str(weight)]
         if self.ctx_bytes is not None:
             command += ["--ctx-bytes", str(self.ctx_bytes)]
         return [*command, "--"]

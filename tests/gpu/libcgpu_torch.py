@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from cgpu_km import region as region_mod  # noqa: E402
+from cgpu_km.dataplane import region as region_mod  # noqa: E402
 
 MiB = 1 << 20
 RESULTS: list[tuple[str, str, str]] = []

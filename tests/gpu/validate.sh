@@ -7,7 +7,7 @@
 # It builds libcgpu, makes the Python side importable without a registry
 # (wheels and fuse.py from .whl/, libfuse from .deb/ when missing), serves the
 # control tree (the module's /proc/cgpu_km if loaded, else cgpu-fuse, else the
-# mount-free cgpu_km.plaintree), starts cgpu-daemon, and runs three sections
+# mount-free cgpu_km.tree.plain), starts cgpu-daemon, and runs three sections
 # (tests/gpu/harness.py): 1. memory, 2. compute (weights 1:2 under policies
 # 2, 1, 5), 3. overhead. It prints tables and one PASS/FAIL line per check;
 # with $OUT set it saves validate.txt, tables.md, checks.txt and
@@ -164,7 +164,7 @@ EOF
     fi
 fi
 export PY
-timeout 60 "$PY" -c 'import trio, pynvml, prometheus_client, cgpu_km.daemon, cgpu_km.run' \
+timeout 60 "$PY" -c 'import trio, pynvml, prometheus_client, cgpu_km.daemon.core, cgpu_km.container.run' \
     >"$WORK/logs/imports.log" 2>&1 || { cat "$WORK/logs/imports.log"; broken "the daemon's modules do not import with $PY"; }
 log "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 
@@ -220,7 +220,7 @@ EOF
 }
 start_plain() {
     ROOT="$WORK/tree"
-    "$PY" -m cgpu_km.plaintree --root "$ROOT" --gpus "$NGPUS" >"$WORK/logs/tree.log" 2>&1 &
+    "$PY" -m cgpu_km.tree.plain --root "$ROOT" --gpus "$NGPUS" >"$WORK/logs/tree.log" 2>&1 &
     TREE_PID=$!
     for _ in $(seq 100); do
         [ -p "$ROOT/inst_ctl" ] && return 0
@@ -261,7 +261,7 @@ case "$TREE_MODE" in
         elif start_fuse; then
             log "control tree: cgpu-fuse at $ROOT"
         else
-            log "FUSE is not usable here: falling back to the mount-free tree (cgpu_km.plaintree)"
+            log "FUSE is not usable here: falling back to the mount-free tree (cgpu_km.tree.plain)"
             start_plain || broken "the plain tree did not start"
             log "control tree: plain files at $ROOT"
         fi ;;

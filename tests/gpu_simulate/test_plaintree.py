@@ -1,6 +1,6 @@
-"""The mount-free control tree (`cgpu_km.plaintree`): the same tree as plain files.
+"""The mount-free control tree (`cgpu_km.tree.plain`): the same tree as plain files.
 
-Driven the way its users drive it: `cgpu_km.treefs` (cgpu-run, the daemon)
+Driven the way its users drive it: `cgpu_km.tree.client` (cgpu-run, the daemon)
 and shell `echo`/`cat`, against a real server process.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import treefs
+from cgpu_km.tree import client as treefs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 def plain(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
     root = tmp_path / "tree"
     with subprocess.Popen(
-        [sys.executable, "-m", "cgpu_km.plaintree", "--root", str(root), "--gpus", "2",
+        [sys.executable, "-m", "cgpu_km.tree.plain", "--root", str(root), "--gpus", "2",
          "--gpu-memory", f"{16 << 30},{16 << 30}"],
         cwd=REPO, stderr=subprocess.PIPE, text=True,
     ) as server:
@@ -118,7 +118,7 @@ def test_refuses_a_folder_with_other_files(tmp_path: Path) -> None:
     (tmp_path / "tree").mkdir()
     (tmp_path / "tree" / "precious").write_text("keep me")
     result = subprocess.run(
-        [sys.executable, "-m", "cgpu_km.plaintree", "--root", str(tmp_path / "tree")],
+        [sys.executable, "-m", "cgpu_km.tree.plain", "--root", str(tmp_path / "tree")],
         cwd=REPO, capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 1
     assert "not empty" in result.stderr

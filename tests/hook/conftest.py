@@ -1,4 +1,4 @@
-"""The hook's claim records (cgpu_km.claims) go to a temporary folder here."""
+"""The hook's claim records (cgpu_km.container.claims) go to a temporary folder here."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.claims import CLAIM_DIR_ENV
+from cgpu_km.container.claims import CLAIM_DIR_ENV
 
 
 @pytest.fixture(autouse=True)

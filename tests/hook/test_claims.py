@@ -1,6 +1,6 @@
 """A second start of the same container replaces its first registration; a
 different container sharing the 12 characters is refused and its poststop
-leaves the holder alone (cgpu_km.claims), in-process on a FUSE tree."""
+leaves the holder alone (cgpu_km.container.claims), in-process on a FUSE tree."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import claims, hook, treefs
-from cgpu_km.envplan import MIB
+from cgpu_km.container import claims, hook
+from cgpu_km.container.envplan import MIB
 from cgpu_km.gpus import GpuInfo
+from cgpu_km.tree import client as treefs
 
 GPUS = [GpuInfo(index=i, uuid=f"GPU-{i}000", name="Tesla T4", memory_total=15109 * MIB)
         for i in range(2)]

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import hook, treefs
-from cgpu_km.envplan import MIB
+from cgpu_km.container import hook
+from cgpu_km.container.envplan import MIB
 from cgpu_km.gpus import GpuError, GpuInfo
+from cgpu_km.tree import client as treefs
 
 GPUS = [GpuInfo(index=i, uuid=f"GPU-{i}000", name="Tesla T4", memory_total=15109 * MIB)
         for i in range(4)]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import treefs
 from cgpu_km.gpus import simgpu_lib_dir
+from cgpu_km.tree import client as treefs
 
 VENV_BIN = Path(sys.executable).parent
 HOOK = VENV_BIN / "cgpu-hook"

@@ -4,7 +4,7 @@
 control tree, many of them malformed or out of range.  `shell_script(ops)`
 turns it into a busybox sh script that performs them on `$CGPU_KM_ROOT` and
 prints one result line each; `expected(ops)` gives the lines that the state
-model `cgpu_km/tree.py` predicts.  The kernel-module VM test runs the script
+model `cgpu_km/tree/model.py` predicts.  The kernel-module VM test runs the script
 on /proc/cgpu_km and compares (see kmod/vm/run-vm.sh); the same script runs
 on the FUSE tree in tests/kmod/test_difftest.py.
 
@@ -26,8 +26,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cgpu_km.nodes import NODES_BY_LEVEL, Level
-from cgpu_km.tree import ControlTree, TreeError
+from cgpu_km.tree.model import ControlTree, TreeError
+from cgpu_km.tree.nodes import NODES_BY_LEVEL, Level
 
 GPUS = 2
 GPU_MEMORY = (1_000_000, 0)  # GPU 1 has no known size: Free of a whole-device container is 0

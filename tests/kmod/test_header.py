@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cgpu_km import gen_kmod_header
-from cgpu_km.nodes import MAX_INST, NODES, Kind
+from cgpu_km.tree import kmod_header as gen_kmod_header
+from cgpu_km.tree.nodes import MAX_INST, NODES, Kind
 
 
 def test_checked_in_header_is_fresh() -> None:

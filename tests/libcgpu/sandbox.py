@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 from tests.libcgpu.sandbox import UUID, Sandbox
 
 KERNEL_MS = 5

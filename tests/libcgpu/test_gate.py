@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 from tests.libcgpu.sandbox import HERE, UUID, Sandbox
 
 LAUNCHES = {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import region as region_mod
 from tests.libcgpu.sandbox import DEVICE_TOTAL, UUID, Sandbox, local_alive, start_time
 
 OOM = 2

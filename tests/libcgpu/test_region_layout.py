@@ -1,4 +1,4 @@
-"""cgpu_km/region.py mirrors libcgpu/region.h: every offset and size matches."""
+"""cgpu_km/dataplane/region.py mirrors libcgpu/region.h: every offset and size matches."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import region
+from cgpu_km.dataplane import region
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER = REPO / "libcgpu" / "region.h"

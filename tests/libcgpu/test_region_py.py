@@ -1,4 +1,5 @@
-"""cgpu_km.region on its own: creation, modes, validation, gates, closes, heartbeat, views."""
+"""cgpu_km.dataplane.region on its own: creation, modes, validation, gates, closes,
+heartbeat, views."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import futex
-from cgpu_km import region as region_mod
-from cgpu_km.region import GpuSpec, Region, RegionError
+from cgpu_km.dataplane import futex
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.dataplane.region import GpuSpec, Region, RegionError
 from tests.libcgpu.sandbox import local_alive, start_time
 
 

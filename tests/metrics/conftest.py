@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from cgpu_km.metrics import MetricsServer, SnapshotHolder, serve_metrics
-from cgpu_km.snapshot import Snapshot
+from cgpu_km.daemon.metrics import MetricsServer, SnapshotHolder, serve_metrics
+from cgpu_km.daemon.snapshot import Snapshot
 
 KNOWN_SNAPSHOT = Path(__file__).with_name("known_snapshot.json")
 PROMETHEUS = shutil.which("prometheus")

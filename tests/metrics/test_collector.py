@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cgpu_km.metrics import (
+from cgpu_km.daemon.metrics import (
     CONTAINER_LABELS,
     GPU_LABELS,
     METRICS,
@@ -18,7 +18,7 @@ from cgpu_km.metrics import (
     make_registry,
     parse_listen,
 )
-from cgpu_km.snapshot import Snapshot
+from cgpu_km.daemon.snapshot import Snapshot
 
 ABC = {"gpu": "0", "uuid": "GPU-5e1d0f6a-0000-4000-8000-000000000000",
        "container": "abc123def456"}
@@ -108,7 +108,7 @@ UNITLESS = {"cgpu_gpu_policy", "cgpu_gpu_max_inst", "cgpu_gpu_free_weight",
 
 @pytest.mark.parametrize("spec", METRICS, ids=lambda s: s.name)
 def test_names_and_labels_follow_the_conventions(spec: object) -> None:
-    from cgpu_km.metrics import MetricSpec
+    from cgpu_km.daemon.metrics import MetricSpec
 
     assert isinstance(spec, MetricSpec)
     assert re.fullmatch(r"cgpu_[a-z_]+", spec.name)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from cgpu_km.snapshot import read_snapshot
+from cgpu_km.daemon.snapshot import read_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 SIMGPU = REPO / "simgpu"

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from cgpu_km.metrics import MetricsServer
+from cgpu_km.daemon.metrics import MetricsServer
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "cgpu_km-dashboard.json"
 ABC = 'container="abc123def456"'

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.smi import daemon_status
-from cgpu_km.snapshot import (
+from cgpu_km.daemon.snapshot import (
     DEFAULT_STATE_DIR,
     STATE_DIR_ENV,
     Snapshot,
@@ -26,6 +25,7 @@ from cgpu_km.snapshot import (
     snapshot_path,
     write_snapshot,
 )
+from cgpu_km.smi import daemon_status
 
 
 def test_json_round_trip_keeps_every_field(known_snapshot: Snapshot) -> None:

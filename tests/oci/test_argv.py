@@ -7,7 +7,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgpu_km.oci.argv import Invocation, parse_argv
+from cgpu_km.container.oci.argv import Invocation, parse_argv
 
 CWD = Path("/run/bundle-cwd")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.oci.runtime import log_line
-from cgpu_km.oci.settings import CONFIG_ENV
+from cgpu_km.container.oci.runtime import log_line
+from cgpu_km.container.oci.settings import CONFIG_ENV
 
 WRAPPER = Path(sys.executable).parent / "cgpu-container-runtime"
 FAKE = """#!/bin/sh

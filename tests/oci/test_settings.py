@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgpu_km.oci.settings import (
+from cgpu_km.container.oci.settings import (
     DEFAULT_RUNTIMES,
     Settings,
     SettingsError,
@@ -17,7 +17,7 @@ from cgpu_km.oci.settings import (
     parse_settings,
     render_settings,
 )
-from cgpu_km.oci.spec import HookCall, SimGpu
+from cgpu_km.container.oci.spec import HookCall, SimGpu
 
 
 def test_defaults() -> None:

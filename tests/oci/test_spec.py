@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgpu_km.oci.spec import (
+from cgpu_km.container.oci.spec import (
     HookCall,
     SimGpu,
     visible_devices,

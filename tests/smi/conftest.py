@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km import treefs
-from cgpu_km.snapshot import Snapshot
+from cgpu_km.daemon.snapshot import Snapshot
+from cgpu_km.tree import client as treefs
 
 KNOWN_SNAPSHOT = Path(__file__).resolve().parents[1] / "metrics" / "known_snapshot.json"
 

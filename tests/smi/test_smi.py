@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.snapshot import Snapshot, write_snapshot
+from cgpu_km.daemon.snapshot import Snapshot, write_snapshot
 
 CGPU_SMI = str(Path(sys.executable).parent / "cgpu-smi")
 UUID0 = "GPU-5e1d0f6a-0000-4000-8000-000000000000"

@@ -1,5 +1,5 @@
 """The service units: `systemd-analyze verify` and the offline security score, and
-the notify protocol (`cgpu_km.sdnotify`) against a real datagram socket."""
+the notify protocol (`cgpu_km.daemon.sdnotify`) against a real datagram socket."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.sdnotify import Notifier, watchdog_interval
+from cgpu_km.daemon.sdnotify import Notifier, watchdog_interval
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = sorted((REPO / "systemd").glob("*.service"))

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpu_km.nodes import NODES, NODES_BY_LEVEL, Level
-from cgpu_km.tree import (
+from cgpu_km.tree.model import (
     Add,
     ControlTree,
     Delete,
@@ -19,6 +18,7 @@ from cgpu_km.tree import (
     parse_command,
     parse_value,
 )
+from cgpu_km.tree.nodes import NODES, NODES_BY_LEVEL, Level
 
 
 def errno_of(call: object, *args: object) -> int:

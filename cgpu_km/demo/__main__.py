@@ -1,7 +1,7 @@
 """`make demo`: the cGPU documents' Docker commands on this host, on a simulated GPU.
 
 A simulated Tesla T4 (15109 MiB): the control tree served by cgpu-fuse, the
-daemon, and a Docker engine of the demo's own (cgpu_km.dockerd) with the
+daemon, and a Docker engine of the demo's own (cgpu_km.demo.dockerd) with the
 runtime registered by `cgpu-node install --nvidia-name`, so the documents'
 `docker run --runtime=nvidia` commands run word for word; only the image
 differs (busybox and simgpu's `cuworkload`, which counts the kernels it
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgpu_km import paths
-from cgpu_km.dockerd import DockerError, PrivateDocker
-from cgpu_km.image import ImageError, build_rootfs, rootfs_tar
-from cgpu_km.oci.settings import CONFIG_ENV
+from cgpu_km.container.oci.settings import CONFIG_ENV
+from cgpu_km.demo.dockerd import DockerError, PrivateDocker
+from cgpu_km.demo.image import ImageError, build_rootfs, rootfs_tar
 
 BIN = Path(sys.executable).parent
 MIB = 1 << 20

@@ -1,6 +1,6 @@
 """The daemon's edges: what it reads and drives, as small interfaces plus real implementations.
 
-The daemon's logic (cgpu_km/daemon.py) only talks to these two objects, so
+The daemon's logic (cgpu_km/daemon/core.py) only talks to these two objects, so
 tests inject fakes and run it in trio's mock time:
 
 - `Tree`: the control tree (/proc/cgpu_km or FUSE), read node by node with
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cgpu_km import treefs
-from cgpu_km.backstop import MemoryView
-from cgpu_km.dispatch import Figures
-from cgpu_km.nodes import NODES_BY_LEVEL, Level
-from cgpu_km.sched import GpuConfig
+from cgpu_km.daemon.backstop import MemoryView
+from cgpu_km.daemon.dispatch import Figures
+from cgpu_km.daemon.sched import GpuConfig
+from cgpu_km.tree import client as treefs
+from cgpu_km.tree.nodes import NODES_BY_LEVEL, Level
 
 log = logging.getLogger("cgpu-daemon")
 

@@ -1,6 +1,7 @@
 """Run a program inside a container, as one of its processes runs: never on the host.
 
-    python -m cgpu_km.nsexec --pid HOSTPID [--timeout S] [--env K=V ...] -- PROGRAM [ARG ...]
+    python -m cgpu_km.container.nsexec --pid HOSTPID [--timeout S] [--env K=V ...] \
+        -- PROGRAM [ARG ...]
 
 The daemon uses it for the eGPU OOM script, a path the container chose. This
 process (a fresh, single-threaded interpreter started by the daemon as
@@ -27,7 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cgpu_km import kernelview
+from cgpu_km.dataplane import kernelview
 
 # Entered in this order: the user namespace first (it decides what the
 # others may do), the pid namespace last (it applies to children).
@@ -175,7 +176,7 @@ def run(pid: int, argv: Sequence[str], env: dict[str, str], timeout: float) -> i
 
 
 def main(args: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cgpu_km.nsexec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cgpu_km.container.nsexec", description=__doc__)
     parser.add_argument("--pid", type=int, required=True, help="a host pid in the container")
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--env", action="append", default=[], metavar="K=V")

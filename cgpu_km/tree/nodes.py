@@ -4,7 +4,7 @@ Every file of `/proc/cgpu_km` (kernel module) and of the FUSE tree is
 described by one `Node` here: its level in the tree, its mode, what kind of
 content it holds, the range a write must fall in and its initial value.  The
 FUSE tree is built from this table at run time; the kernel module's C table
-is generated from it (`cgpu_km.gen_kmod_header`).
+is generated from it (`cgpu_km.tree.kmod_header`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ wrote), and so knows each container's real GPU memory, including processes
 that bypassed libcgpu (no process slot: "unmanaged"). Those figures feed
 `meminfo`, `cgpu-smi` and the metrics, and the backstop: a container over
 its limit has its largest processes stopped (in eGPU mode after the OOM
-script, run inside the container by `cgpu_km.nsexec`).
+script, run inside the container by `cgpu_km.container.nsexec`).
 
 The decisions (`over_limit`, `Grandfather`) are pure.
 """
@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from cgpu_km import kernelview
-from cgpu_km.registry import Key, Registry
+from cgpu_km.daemon.registry import Key, Registry
+from cgpu_km.dataplane import kernelview
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -242,7 +242,7 @@ def stop_process(pid: int, *, oom_script: str = "", env: Mapping[str, str] | Non
                  runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
                  kill: Callable[[], None] | None = None) -> None:
     """Stop a process over its container's limit: in eGPU mode its container's
-    OOM script first, run inside the container (`cgpu_km.nsexec`), then SIGKILL
+    OOM script first, run inside the container (`cgpu_km.container.nsexec`), then SIGKILL
     (`kill`, when the caller holds a pidfd of the process).
 
     Blocking (up to `timeout` and a little); the daemon calls it in a task of
@@ -250,7 +250,7 @@ def stop_process(pid: int, *, oom_script: str = "", env: Mapping[str, str] | Non
     if oom_script:
         extra = [f"--env={k}={v}" for k, v in sorted((env or {}).items())]
         try:
-            result = runner([sys.executable, "-m", "cgpu_km.nsexec", f"--pid={pid}",
+            result = runner([sys.executable, "-m", "cgpu_km.container.nsexec", f"--pid={pid}",
                              f"--timeout={timeout}", *extra, "--", oom_script],
                             capture_output=True, text=True, timeout=timeout + 10, check=False,
                             stdin=subprocess.DEVNULL)

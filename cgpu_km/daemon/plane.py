@@ -1,14 +1,14 @@
 """The real data plane for the daemon: regions, one dispatcher per GPU, NVML, the kernel's view.
 
-`RegionPlane` implements `cgpu_km.daemon_io.Plane`:
+`RegionPlane` implements `cgpu_km.daemon.edges.Plane`:
 
-- regions: `<region dir>/<container>/` (`cgpu_km.region`), attached as the
-  tree lists the containers (`cgpu_km.registry`);
-- scheduling: one `cgpu_km.dispatch.Dispatcher` thread per GPU over the
+- regions: `<region dir>/<container>/` (`cgpu_km.dataplane.region`), attached as the
+  tree lists the containers (`cgpu_km.daemon.registry`);
+- scheduling: one `cgpu_km.daemon.dispatch.Dispatcher` thread per GPU over the
   regions of that GPU's containers; GPU time is what the dispatcher charged
   from grants to drain answers, never NVML's utilization;
 - memory: NVML's running processes (host pids), put into containers by the
-  kernel (`cgpu_km.backstop.measure`); processes are stopped only after the
+  kernel (`cgpu_km.daemon.backstop.measure`); processes are stopped only after the
   kernel confirmed who they are;
 - slots: those whose process the kernel no longer runs are reclaimed.
 
@@ -27,11 +27,12 @@ from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
 
-from cgpu_km import backstop, kernelview
-from cgpu_km import region as region_mod
-from cgpu_km.dispatch import Dispatcher, Figures, RegionPort
-from cgpu_km.registry import Key, Registry
-from cgpu_km.sched import GpuConfig
+from cgpu_km.daemon import backstop
+from cgpu_km.daemon.dispatch import Dispatcher, Figures, RegionPort
+from cgpu_km.daemon.registry import Key, Registry
+from cgpu_km.daemon.sched import GpuConfig
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
 
 log = logging.getLogger("cgpu-daemon")
 

@@ -8,9 +8,9 @@ containerd's runc `BinaryName`, `ctr run --runc-binary`). On `create` (and
 config.json; the hook decides from the container's environment whether
 anything happens. On simgpu it also mounts simgpu's libraries, its
 `nvidia-smi` and the host's simgpu state into the container, and gives
-`exec` processes the same GPUs as the container (cgpu_km.oci.spec). Then it
+`exec` processes the same GPUs as the container (cgpu_km.container.oci.spec). Then it
 execs the real runtime (the first of `runtimes` in its configuration,
-cgpu_km.oci.settings) with the same arguments; every other command goes
+cgpu_km.container.oci.settings) with the same arguments; every other command goes
 through untouched.
 
 Errors are one line, written to the runtime log given with `--log` (in its
@@ -32,15 +32,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cgpu_km.oci.argv import CREATING, Invocation, parse_argv
-from cgpu_km.oci.settings import (
+from cgpu_km.container.oci.argv import CREATING, Invocation, parse_argv
+from cgpu_km.container.oci.settings import (
     DEFAULT_RUNTIMES,
     Settings,
     SettingsError,
     load_settings,
     settings_path,
 )
-from cgpu_km.oci.spec import (
+from cgpu_km.container.oci.spec import (
     DRIVER_DEVICE,
     SIMGPU_LIBRARIES,
     with_hooks,

@@ -2,7 +2,7 @@
 `cuworkload` and the C libraries they and libcgpu link.
 
 It has no GPU libraries, as an image for a GPU host has none: the runtime
-mounts them (simgpu's on a host without a GPU, see cgpu_km.oci.spec), and
+mounts them (simgpu's on a host without a GPU, see cgpu_km.container.oci.spec), and
 cgpu-hook mounts libcgpu. `build_rootfs` writes the folder (for runc, ctr
 `--rootfs`), `rootfs_tar` the archive that `docker import` and
 `podman import` take.

@@ -1,6 +1,6 @@
 """The first process of a `cgpu-run` job's pid namespace: runs the command, passes signals on.
 
-    python -m cgpu_km.jobinit CMD [ARG ...]
+    python -m cgpu_km.container.jobinit CMD [ARG ...]
 
 A pid namespace's first process gets from outside only the signals it has
 handlers for, and its children are reparented to it. This one runs CMD,
@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        print("usage: python -m cgpu_km.jobinit CMD [ARG ...]", file=sys.stderr)
+        print("usage: python -m cgpu_km.container.jobinit CMD [ARG ...]", file=sys.stderr)
         return 2
     child = os.fork()
     if child == 0:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cgpu_km.nodes import NODES_BY_LEVEL, Level
+from cgpu_km.tree.nodes import NODES_BY_LEVEL, Level
 
 PROC_ROOT = Path("/proc/cgpu_km")
 FUSE_ROOT = Path("/run/cgpu_km")

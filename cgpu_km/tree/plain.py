@@ -1,8 +1,8 @@
 """cgpu-plaintree: the control tree as plain files, for hosts where FUSE cannot mount.
 
-    python3 -m cgpu_km.plaintree --root DIR [--gpus N] [cgpu-fuse's options]
+    python3 -m cgpu_km.tree.plain --root DIR [--gpus N] [cgpu-fuse's options]
 
-It serves the same `cgpu_km.tree.ControlTree` as `cgpu-fuse`, without a
+It serves the same `cgpu_km.tree.model.ControlTree` as `cgpu-fuse`, without a
 mount: every node is a regular file holding what a read of it returns, kept
 up to date by this process, and `inst_ctl` is a FIFO this process reads.
 Every tool that reaches the tree through files (`cgpu-run`, `cgpu-daemon`,
@@ -15,7 +15,7 @@ How it differs from the FUSE tree and the module (why it is a fallback):
   `--memsize` does not read back.
 - A refused command or write is not returned to the writer: it is logged on
   stderr and the node's file is put back to the tree's value.
-- `inst_ctl` takes one command per line (writers of `cgpu_km.treefs` end
+- `inst_ctl` takes one command per line (writers of `cgpu_km.tree.client` end
   each command with a newline); a partial line is taken as a command once
   the FIFO has been quiet for 0.1 s.
 Files are replaced atomically (a write to `.staging/` and a rename), and a
@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from cgpu_km.nodes import NODES_BY_LEVEL, Kind, Level
-from cgpu_km.tree import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
+from cgpu_km.tree.model import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
+from cgpu_km.tree.nodes import NODES_BY_LEVEL, Kind, Level
 
 STAGING = ".staging"
 PARTIAL_COMMAND_WAIT = 0.1  # seconds of quiet after which a line without newline is taken

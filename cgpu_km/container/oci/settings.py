@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cgpu_km import paths
-from cgpu_km.oci.spec import HookCall, SimGpu
+from cgpu_km.container.oci.spec import HookCall, SimGpu
 
 CONFIG_ENV = "CGPU_RUNTIME_CONFIG"
 DEFAULT_CONFIG = Path("/etc/cgpu_km/runtime.toml")

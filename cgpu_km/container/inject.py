@@ -28,11 +28,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cgpu_km import kernelview, paths
-from cgpu_km import region as region_mod
+from cgpu_km import paths
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
 
 if TYPE_CHECKING:
-    from cgpu_km.hook import HookContext, Undo
+    from cgpu_km.container.hook import HookContext, Undo
 
 PRELOAD_NAME = "ld.so.preload"
 
@@ -119,7 +120,7 @@ def gpu_specs(ctx: HookContext) -> list[region_mod.GpuSpec]:
 
 def create_region(ctx: HookContext, undo: Undo) -> None:
     """prestart step: the region and the container's identity, on the host."""
-    from cgpu_km.hook import HookError
+    from cgpu_km.container.hook import HookError
 
     path = region_mod.region_path(ctx.id12)
     try:
@@ -143,7 +144,7 @@ def create_region(ctx: HookContext, undo: Undo) -> None:
 
 def inject_data_plane(ctx: HookContext, undo: Undo) -> None:
     """prestart step: library, region and preload file inside the container."""
-    from cgpu_km.hook import HookError
+    from cgpu_km.container.hook import HookError
 
     library = paths.libcgpu()
     if not library.is_file():

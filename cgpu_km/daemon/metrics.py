@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cgpu_km.snapshot import Snapshot
+from cgpu_km.daemon.snapshot import Snapshot
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
 SnapshotProvider = Callable[[], Snapshot | None]

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 
 from cgpu_km import __version__
-from cgpu_km.nodes import (
+from cgpu_km.tree.nodes import (
     COMMAND_WRITE_MAX,
     ID_MAX_LEN,
     INST_CTL_USAGE,

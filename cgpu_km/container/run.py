@@ -31,8 +31,10 @@ from pathlib import Path
 from types import FrameType
 
 from cgpu_km import gpus as gpus_mod
-from cgpu_km import kernelview, paths, treefs
-from cgpu_km import region as region_mod
+from cgpu_km import paths
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.tree import client as treefs
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -200,12 +202,12 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
 
 def own_namespace_prefix() -> list[str]:
     """`unshare` into a pid namespace (and a /proc) of the job's own, when this
-    process may (root), with `cgpu_km.jobinit` as the namespace's first process."""
+    process may (root), with `cgpu_km.container.jobinit` as the namespace's first process."""
     unshare = shutil.which("unshare")
     if os.geteuid() != 0 or unshare is None:
         return []
     return [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--",
-            sys.executable, "-m", "cgpu_km.jobinit", "--"]
+            sys.executable, "-m", "cgpu_km.container.jobinit", "--"]
 
 
 def job_pid(child: subprocess.Popen[bytes], namespaced: bool, timeout: float = 5.0) -> int:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from cgpu_km import kernelview
-from cgpu_km import region as region_mod
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
 
 log = logging.getLogger("cgpu-daemon")
 

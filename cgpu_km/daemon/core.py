@@ -11,7 +11,7 @@ service never holds up another; see `Daemon.run`):
   every period until it is there). A `memsize` written in the tree goes into
   the container's region at once (live memory limits).
 - scheduling: the data plane runs one dispatcher thread per GPU
-  (`cgpu_km.dispatch`), which hands the GPU to one container at a time in
+  (`cgpu_km.daemon.dispatch`), which hands the GPU to one container at a time in
   slices and stamps the heartbeat; this daemon only configures them.
 - memory: NVML's processes, put into containers by the kernel's view, fed
   into the tree (`meminfo`), and the backstop that stops the processes of a
@@ -48,13 +48,13 @@ from typing import Any, TypeVar
 
 import trio
 
-from cgpu_km import snapshot as snap
-from cgpu_km import treefs
-from cgpu_km.backstop import Grandfather, MemoryView, over_limit
-from cgpu_km.daemon_io import FsTree, GpuNodes, Key, Plane, QuickView, Tree, Watcher
+from cgpu_km.daemon import snapshot as snap
+from cgpu_km.daemon.backstop import Grandfather, MemoryView, over_limit
+from cgpu_km.daemon.edges import FsTree, GpuNodes, Key, Plane, QuickView, Tree, Watcher
+from cgpu_km.daemon.sched import ContainerSpec, GpuConfig
+from cgpu_km.daemon.sdnotify import Notifier, watchdog_interval
 from cgpu_km.gpus import GpuInfo
-from cgpu_km.sched import ContainerSpec, GpuConfig
-from cgpu_km.sdnotify import Notifier, watchdog_interval
+from cgpu_km.tree import client as treefs
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -733,8 +733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A dispatcher woken by a doorbell must not wait for another thread's Python
     # (a /proc scan, NVML) to give up the interpreter: 5 ms by default.
     sys.setswitchinterval(DISPATCH_SWITCH_INTERVAL)
-    from cgpu_km import metrics
-    from cgpu_km.daemon_plane import make_plane
+    from cgpu_km.daemon import metrics
+    from cgpu_km.daemon.plane import make_plane
     from cgpu_km.gpus import GpuError, discover_gpus
 
     try:

@@ -1,6 +1,6 @@
 """Generate the kernel module's C node table from the Python node table.
 
-`python -m cgpu_km.gen_kmod_header [OUTPUT]` writes `kmod/cgpu_km_nodes.h`
+`python -m cgpu_km.tree.kmod_header [OUTPUT]` writes `kmod/cgpu_km_nodes.h`
 (to stdout without OUTPUT).  The header is checked in; a test fails when it
 differs from a fresh generation, so the module and the FUSE tree cannot
 drift apart.
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cgpu_km import __version__
-from cgpu_km.nodes import (
+from cgpu_km.tree.nodes import (
     COMMAND_WRITE_MAX,
     ID_MAX_LEN,
     INST_CTL_USAGE,
@@ -27,7 +27,7 @@ from cgpu_km.nodes import (
     Node,
 )
 
-HEADER_PATH = Path(__file__).resolve().parents[1] / "kmod" / "cgpu_km_nodes.h"
+HEADER_PATH = Path(__file__).resolve().parents[2] / "kmod" / "cgpu_km_nodes.h"
 
 _LEVEL_C = {Level.ROOT: "ROOT", Level.GPU: "GPU", Level.CONTAINER: "CONTAINER"}
 
@@ -81,8 +81,8 @@ def render() -> str:
     lines = [
         "/* SPDX-License-Identifier: GPL-2.0-only */",
         "/*",
-        " * The control tree's node table, generated from cgpu_km/nodes.py by",
-        " * `python -m cgpu_km.gen_kmod_header kmod/cgpu_km_nodes.h`. Do not edit:",
+        " * The control tree's node table, generated from cgpu_km/tree/nodes.py by",
+        " * `python -m cgpu_km.tree.kmod_header kmod/cgpu_km_nodes.h`. Do not edit:",
         " * tests/kmod/test_header.py fails when this file is stale.",
         " */",
         "#ifndef CGPU_KM_NODES_H",
@@ -133,7 +133,7 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) > 1:
-        print("usage: python -m cgpu_km.gen_kmod_header [OUTPUT]", file=sys.stderr)
+        print("usage: python -m cgpu_km.tree.kmod_header [OUTPUT]", file=sys.stderr)
         return 2
     text = render()
     if args:

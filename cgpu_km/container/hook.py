@@ -5,11 +5,11 @@
     cgpu-hook [--root DIR] poststop                     OCI state on stdin
 
 `prestart` resolves the container's environment (its bundle's config.json)
-into a plan (cgpu_km.envplan) and runs PRESTART_STEPS in order; each step
+into a plan (cgpu_km.container.envplan) and runs PRESTART_STEPS in order; each step
 records how to undo what it did, and when a step fails everything done so
 far is undone, so a failed start leaves nothing behind. A second prestart of
 the same container (started again without its poststop) replaces what the
-first registered (cgpu_km.claims). `poststop` runs POSTSTOP_STEPS, each
+first registered (cgpu_km.container.claims). `poststop` runs POSTSTOP_STEPS, each
 idempotent, unless another container holds the id. Errors are one line on
 stderr; a bad environment value exits 2, any other failure 1.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from cgpu_km import claims, treefs
-from cgpu_km.envplan import (
+from cgpu_km.container import claims
+from cgpu_km.container.envplan import (
     DEFAULT_MAX_INST,
     DISABLED,
     Plan,
@@ -37,8 +37,9 @@ from cgpu_km.envplan import (
     place,
     switch_mode,
 )
+from cgpu_km.container.inject import create_region, inject_data_plane, remove_data_plane
 from cgpu_km.gpus import GpuError, discover_gpus
-from cgpu_km.inject import create_region, inject_data_plane, remove_data_plane
+from cgpu_km.tree import client as treefs
 
 PROG = "cgpu-hook"
 ID_LENGTH = 12
@@ -145,7 +146,7 @@ def is_registered(ctx: HookContext) -> bool:
 
 
 def claim_id(ctx: HookContext, undo: Undo) -> None:
-    """Record this container as the holder of its tree id (cgpu_km.claims).
+    """Record this container as the holder of its tree id (cgpu_km.container.claims).
     When it held the id already (started again without its poststop having
     run), its old registration and region are removed first."""
     recorded = claims.read(ctx.id12)
