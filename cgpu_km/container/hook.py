@@ -23,7 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -38,13 +38,18 @@ from cgpu_km.container.envplan import (
     switch_mode,
 )
 from cgpu_km.container.inject import create_region, inject_data_plane, remove_data_plane
+from cgpu_km.container.steps import (
+    EXIT_BAD_VALUE,
+    EXIT_FAILED,
+    PROG,
+    HookContext,
+    HookError,
+    PoststopStep,
+    PrestartStep,
+    Undo,
+)
 from cgpu_km.gpus import GpuError, discover_gpus
 from cgpu_km.tree import client as treefs
-
-PROG = "cgpu-hook"
-ID_LENGTH = 12
-EXIT_FAILED = 1
-EXIT_BAD_VALUE = 2
 
 _ERRNO_MEANING = {
     errno.EEXIST: "a container with this id is already registered there",
@@ -54,52 +59,6 @@ _ERRNO_MEANING = {
     errno.EACCES: "permission denied (the hook must run as root)",
     errno.EPERM: "permission denied (the hook must run as root)",
 }
-
-
-class HookError(Exception):
-    """A failure with a one-line message for the runtime to show."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-@dataclass
-class Undo:
-    """Actions that reverse completed steps, run newest first."""
-
-    actions: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
-
-    def push(self, what: str, action: Callable[[], None]) -> None:
-        self.actions.append((what, action))
-
-    def run(self, stderr: TextIO) -> None:
-        while self.actions:
-            what, action = self.actions.pop()
-            try:
-                action()
-            except Exception as error:
-                print(f"{PROG}: warning: undoing {what} failed: {error}", file=stderr)
-
-
-@dataclass
-class HookContext:
-    """What the steps work from: one container and its plan."""
-
-    root: Path
-    container_id: str
-    bundle: Path
-    env: dict[str, str]
-    plan: Plan = DISABLED
-    pid: int | None = None  # the container's init process (prestart), from the OCI state
-
-    @property
-    def id12(self) -> str:
-        return self.container_id[:ID_LENGTH]
-
-
-PrestartStep = Callable[[HookContext, Undo], None]
-PoststopStep = Callable[[HookContext], None]
 
 
 def describe_oserror(error: OSError) -> str:

@@ -26,14 +26,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cgpu_km import paths
+from cgpu_km.container.steps import HookContext, HookError, Undo
 from cgpu_km.dataplane import kernelview
 from cgpu_km.dataplane import region as region_mod
-
-if TYPE_CHECKING:
-    from cgpu_km.container.hook import HookContext, Undo
 
 PRELOAD_NAME = "ld.so.preload"
 
@@ -120,8 +117,6 @@ def gpu_specs(ctx: HookContext) -> list[region_mod.GpuSpec]:
 
 def create_region(ctx: HookContext, undo: Undo) -> None:
     """prestart step: the region and the container's identity, on the host."""
-    from cgpu_km.container.hook import HookError
-
     path = region_mod.region_path(ctx.id12)
     try:
         region_mod.Region.create(path, ctx.id12, gpu_specs(ctx), mode=ctx.plan.mode or "cgpu",
@@ -144,8 +139,6 @@ def create_region(ctx: HookContext, undo: Undo) -> None:
 
 def inject_data_plane(ctx: HookContext, undo: Undo) -> None:
     """prestart step: library, region and preload file inside the container."""
-    from cgpu_km.container.hook import HookError
-
     library = paths.libcgpu()
     if not library.is_file():
         raise HookError(f"{library} not found: build it with `make -C libcgpu` "

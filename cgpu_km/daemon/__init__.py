@@ -1,11 +1,15 @@
 """`cgpu-daemon`: the host daemon, one module per service and its pure cores.
 
-- `core`: the daemon's services and lifecycle (tree, regions, memory, slots,
-  publishing, systemd), the program's command line;
-- `sched`: the scheduler's pure core (allotments, exclusive slices);
-- `dispatch`: one thread per GPU driving `sched` over the regions;
-- `plane`, `registry`: the data plane the services drive, and the regions;
-- `backstop`: GPU memory by container from NVML and the kernel, and stopping;
-- `edges`: the interfaces the services talk to (tree, plane), and the real tree;
-- `snapshot`, `metrics`, `sdnotify`: what it publishes, and to whom.
+Services, each a task with its own worker thread and schedule:
+- `treesync`: the view of the control tree, pushed into the data plane;
+- `regions`: new containers' regions attached, dead processes' slots freed;
+- `memory`: GPU memory by container fed into the tree, and the backstop;
+- `publishing`: the snapshot for cgpu-smi and Prometheus, the state file;
+- `lifecycle`: systemd, signals, the hot update.
+`core` composes them, `cli` is the program, `context` what they share.
+
+Beneath them: `sched` (the scheduler's pure core), `dispatch` (one thread
+per GPU driving it over the regions), `plane` and `registry` (the data
+plane and its regions), `backstop` (memory by container, stopping), `edges`
+(the interfaces to the tree and the plane), `snapshot`, `metrics`, `sdnotify`.
 """

@@ -2,6 +2,6 @@
 
 import sys
 
-from cgpu_km.daemon.core import main
+from cgpu_km.daemon.cli import main
 
 sys.exit(main())

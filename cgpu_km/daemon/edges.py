@@ -1,6 +1,6 @@
 """The daemon's edges: what it reads and drives, as small interfaces plus real implementations.
 
-The daemon's logic (cgpu_km/daemon/core.py) only talks to these two objects, so
+The daemon's logic (cgpu_km/daemon/) only talks to these two objects, so
 tests inject fakes and run it in trio's mock time:
 
 - `Tree`: the control tree (/proc/cgpu_km or FUSE), read node by node with

@@ -19,7 +19,10 @@ import pytest
 import trio
 import trio.testing
 
-from cgpu_km.daemon.core import STATE_NAME, UPGRADED_ENV, Daemon, Settings, run_with_signals
+from cgpu_km.daemon.context import Settings
+from cgpu_km.daemon.core import Daemon
+from cgpu_km.daemon.lifecycle import UPGRADED_ENV, run_with_signals
+from cgpu_km.daemon.publishing import STATE_NAME
 from cgpu_km.daemon.sched import ContainerSpec, Policy
 from cgpu_km.daemon.sdnotify import Notifier
 from tests.daemon.fakes import FakePlane, MemoryTree
@@ -212,8 +215,8 @@ async def test_state_survives_a_restart(
     assert set(saved["gpus"]["0"]["accounts"]) == {"a", "b"}
     again = FakePlane()
     second, _ = make_daemon(tree, again, tmp_path)
-    second.load_state()
-    await second._read_all()  # what `run` does first
+    second.sync.saved = second.state_file.load()
+    await second.sync.read_all()  # what `run` does first
     assert again.restored[0] == saved["gpus"]["0"]
 
 
@@ -243,7 +246,7 @@ async def test_upgrade_saves_state_reexecs_and_the_new_daemon_writes_zero(
         with trio.fail_after(2 * PERIOD + 0.001):
             await restarted.wait()
         nursery.cancel_scope.cancel()
-    assert first.upgrading
+    assert first.lifecycle.upgrading
     assert not plane.closed  # a hot update does not touch the gates
     assert "STOPPING=1" not in notifier.sent
     assert os.environ[UPGRADED_ENV] == "1"
@@ -255,7 +258,7 @@ async def test_upgrade_saves_state_reexecs_and_the_new_daemon_writes_zero(
         await nursery.start(second.run)
         assert tree.upgrade == 0
         assert UPGRADED_ENV not in os.environ
-        assert second._saved_state == saved
+        assert second.sync.saved == saved["gpus"]
         nursery.cancel_scope.cancel()
 
 
@@ -316,7 +319,7 @@ async def test_a_slow_stop_holds_up_nothing_else(tmp_path: Path) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(daemon.run)
             await trio.sleep(0.5)
-            assert daemon.stopping == {((0, "a"), 10)}, "the stop is under way"
+            assert daemon.memory.stopping == {((0, "a"), 10)}, "the stop is under way"
             tree.gpus[0].policy = 4
             plane.memory_by[0, "b"] = {20: 5}
             await trio.sleep(1.0)

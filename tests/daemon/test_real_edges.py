@@ -14,7 +14,8 @@ import pytest
 import trio
 
 from cgpu_km.daemon.backstop import Nvml, stop_process
-from cgpu_km.daemon.core import Daemon, Settings
+from cgpu_km.daemon.context import Settings
+from cgpu_km.daemon.core import Daemon
 from cgpu_km.daemon.edges import Change, FsTree, InotifyWatcher
 from cgpu_km.daemon.plane import RegionPlane
 from cgpu_km.daemon.sched import ContainerSpec, GpuConfig, Policy
@@ -47,7 +48,7 @@ async def test_echo_acts_within_a_period_through_inotify(
     daemon = Daemon(FsTree(control_tree), plane, state_dir=tmp_path, settings=settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
-        assert daemon.watcher is not None
+        assert daemon.sync.watcher is not None
         await trio.to_thread.run_sync(echo, control_tree, "0/policy", 2)
         took = await wait_until(lambda: plane.configs[0].policy is Policy.WEIGHTED)
         assert took < 0.5  # not the 60 s poll; on a quiet host, a few ms

@@ -164,7 +164,7 @@ EOF
     fi
 fi
 export PY
-timeout 60 "$PY" -c 'import trio, pynvml, prometheus_client, cgpu_km.daemon.core, cgpu_km.container.run' \
+timeout 60 "$PY" -c 'import trio, pynvml, prometheus_client, cgpu_km.daemon.cli, cgpu_km.container.run' \
     >"$WORK/logs/imports.log" 2>&1 || { cat "$WORK/logs/imports.log"; broken "the daemon's modules do not import with $PY"; }
 log "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.container import hook
+from cgpu_km.container import hook, steps
 from cgpu_km.container.envplan import MIB
 from cgpu_km.gpus import GpuError, GpuInfo
 from cgpu_km.tree import client as treefs
@@ -176,9 +176,9 @@ def test_a_later_step_failing_undoes_registration(control_tree: Path, tmp_path: 
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[int | None, int]] = []
 
-    def failing_step(ctx: hook.HookContext, undo: hook.Undo) -> None:
+    def failing_step(ctx: steps.HookContext, undo: steps.Undo) -> None:
         seen.append((ctx.pid, len(ctx.plan.gpus)))
-        raise hook.HookError("region: no space left")
+        raise steps.HookError("region: no space left")
     monkeypatch.setattr(hook, "PRESTART_STEPS", [hook.register_on_gpus, failing_step])
     bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "1"})
     assert run_hook(monkeypatch, control_tree, "prestart", bundle) == 1

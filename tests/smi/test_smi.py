@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -220,16 +221,36 @@ def test_bad_loop_interval(control_tree: Path, state: Path, seconds: str) -> Non
     assert "-l" in result.stderr
 
 
+def lines_until(process: subprocess.Popen[str], marker: str, count: int) -> list[str]:
+    """stdout lines up to the `count`-th that holds `marker` (the loop is running)."""
+    assert process.stdout is not None
+    lines: list[str] = []
+    watchdog = threading.Timer(30, process.kill)  # a silent loop fails, never hangs
+    watchdog.start()
+    try:
+        while sum(marker in line for line in lines) < count:
+            line = process.stdout.readline()
+            assert line, f"cgpu-smi stopped after {len(lines)} lines"
+            lines.append(line)
+    finally:
+        watchdog.cancel()
+    return lines
+
+
+def interrupt(process: subprocess.Popen[str]) -> tuple[str, str]:
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=10)
+    return out, err
+
+
 def test_loop_repeats_until_interrupted(known_tree: Path, state: Path) -> None:
     process = subprocess.Popen(
         [CGPU_SMI, "--root", str(known_tree), "--state-dir", str(state), "-l", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=smi_env(state.parent),
     )
-    time.sleep(1.0)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=10)
+    lines_until(process, "cgpu-smi 0.1.0", 3)
+    _, err = interrupt(process)
     assert (process.returncode, err) == (0, "")
-    assert out.count("cgpu-smi 0.1.0") >= 3
 
 
 def test_json_loop_prints_one_document_per_line(known_tree: Path, state: Path) -> None:
@@ -237,9 +258,8 @@ def test_json_loop_prints_one_document_per_line(known_tree: Path, state: Path) -
         [CGPU_SMI, "--root", str(known_tree), "--state-dir", str(state), "--json", "-l", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=smi_env(state.parent),
     )
-    time.sleep(0.8)
-    process.send_signal(signal.SIGINT)
-    out, _ = process.communicate(timeout=10)
-    documents = [json.loads(line) for line in out.splitlines()]
+    first = lines_until(process, "\n", 2)
+    out, _ = interrupt(process)
+    documents = [json.loads(line) for line in [*first, *out.splitlines()]]
     assert len(documents) >= 2
     assert all(d["daemon"]["running"] is False for d in documents)

@@ -1,0 +1,142 @@
+"""`cgpu-daemon`'s command line: options, the GPU probes the units use, and
+the program that wires the real tree, data plane, metrics and systemd."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from cgpu_km.daemon import core
+from cgpu_km.daemon import snapshot as snap
+from cgpu_km.daemon.context import Settings
+from cgpu_km.daemon.edges import FsTree
+from cgpu_km.daemon.lifecycle import run_with_signals
+from cgpu_km.daemon.sdnotify import Notifier
+from cgpu_km.tree import client as treefs
+
+log = logging.getLogger("cgpu-daemon")
+
+DISPATCH_SWITCH_INTERVAL = 0.0002  # seconds, sys.setswitchinterval
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="cgpu-daemon",
+        description="the host daemon that turns the control tree into GPU slices")
+    parser.add_argument("--root", help="control tree (default: $CGPU_KM_ROOT, /proc/cgpu_km "
+                        "if present, else /run/cgpu_km)")
+    parser.add_argument("--state-dir", help="where the state file and the snapshot live "
+                        "(default: $CGPU_STATE_DIR, else /run/cgpu_km-daemon)")
+    parser.add_argument("--region-dir", help="containers' shared-memory regions "
+                        "(default: $CGPU_REGION_DIR, else /run/cgpu_km-regions)")
+    parser.add_argument("--period", type=float, default=Settings.period,
+                        help="how soon tree changes and new regions are seen without "
+                        "inotify, in seconds (default %(default)s)")
+    parser.add_argument("--slice", type=float, default=Settings.slice,
+                        help="scheduling quantum: the shortest turn of a container on a GPU, "
+                        "in seconds (default %(default)s)")
+    parser.add_argument("--tree-refresh", type=float, default=Settings.tree_refresh,
+                        help="seconds between polls of the GPU nodes while inotify watches "
+                        "the tree (without inotify: every period)")
+    parser.add_argument("--full-refresh", type=float, default=Settings.full_refresh,
+                        help="seconds between re-reads of every container's nodes")
+    parser.add_argument("--metrics-listen", "--metrics", dest="metrics", default="off",
+                        metavar="HOST:PORT", help="serve Prometheus /metrics on HOST:PORT "
+                        "([::1]:PORT for IPv6), or 'off' (default; the service uses "
+                        "127.0.0.1:9400)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    probe = parser.add_mutually_exclusive_group()
+    probe.add_argument("--count-gpus", action="store_true",
+                       help="print the number of GPUs (NVML, else simgpu) and exit")
+    probe.add_argument("--module-params", action="store_true",
+                       help="print the kernel module's parameters for this host and exit")
+    return parser.parse_args(argv)
+
+
+def probe_gpus(args: argparse.Namespace) -> int:
+    """`--count-gpus` / `--module-params`: what the service units need from NVML."""
+    from cgpu_km.gpus import GpuError, discover_gpus
+
+    try:
+        found = discover_gpus()
+    except GpuError as error:
+        print(f"cgpu-daemon: {error}", file=sys.stderr)
+        return 1
+    if args.count_gpus:
+        print(max(1, len(found)))
+    else:
+        sizes = ",".join(str(g.memory_total) for g in found)
+        print(f"gpus={max(1, len(found))}" + (f" gpu_mem={sizes}" if sizes else ""))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.count_gpus or args.module_params:
+        return probe_gpus(args)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="cgpu-daemon: %(message)s", stream=sys.stderr,
+    )
+    try:
+        settings = Settings(period=args.period, slice=args.slice,
+                            tree_refresh=args.tree_refresh, full_refresh=args.full_refresh)
+    except ValueError as error:
+        print(f"cgpu-daemon: {error}", file=sys.stderr)
+        return 2
+    # A dispatcher woken by a doorbell must not wait for another thread's Python
+    # (a /proc scan, NVML) to give up the interpreter: 5 ms by default.
+    sys.setswitchinterval(DISPATCH_SWITCH_INTERVAL)
+    from cgpu_km.daemon import metrics
+    from cgpu_km.daemon.plane import make_plane
+    from cgpu_km.gpus import GpuError, discover_gpus
+
+    try:
+        listen = metrics.parse_listen(args.metrics)
+    except ValueError as error:
+        print(f"cgpu-daemon: {error}", file=sys.stderr)
+        return 2
+    root = treefs.resolve_root(args.root)
+    state_dir = snap.resolve_state_dir(args.state_dir)
+    try:
+        gpu_info = {g.index: g for g in discover_gpus()}
+    except GpuError as error:
+        log.warning("%s: GPU names and totals unknown", error)
+        gpu_info = {}
+    plane = make_plane(args.region_dir, quantum=settings.slice)
+    holder = metrics.SnapshotHolder()
+    server = None
+    if listen is not None:
+        try:
+            server = metrics.serve_metrics(listen.host, listen.port, holder)
+            log.info("metrics on http://%s:%d/metrics", listen.host, server.port)
+        except OSError as error:
+            log.error("cannot serve metrics on %s: %s", args.metrics, error)
+
+    def publish(snapshot: snap.Snapshot) -> None:
+        holder.swap(snapshot)
+        snap.write_snapshot(snapshot, state_dir / snap.SNAPSHOT_NAME)
+
+    argv_now = list(sys.argv)
+
+    def restart() -> None:
+        if server is not None:
+            server.close()
+        os.execv(sys.executable, [sys.executable, "-m", "cgpu_km.daemon", *argv_now[1:]])
+
+    daemon = core.Daemon(FsTree(root), plane, state_dir=state_dir, settings=settings,
+                         notifier=Notifier(), restart=restart, gpu_info=gpu_info,
+                         publish=publish)
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(run_with_signals, daemon)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

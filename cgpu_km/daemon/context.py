@@ -1,0 +1,84 @@
+"""What the daemon's services share: timing settings, the view of the tree, workers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import trio
+
+from cgpu_km.daemon.edges import GpuNodes, Key
+from cgpu_km.daemon.sched import ContainerSpec, GpuConfig
+
+T = TypeVar("T")
+Blocking = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Timing knobs (seconds)."""
+
+    period: float = 0.1  # tree polls without inotify, and the look for new regions
+    slice: float = 0.02  # the scheduling quantum: one container's turn on a GPU (about)
+    tree_refresh: float = 5.0  # poll of the GPU nodes while inotify watches the tree
+    full_refresh: float = 30.0  # every container's nodes, in case a change was missed
+    memory_interval: float = 0.5
+    reclaim_interval: float = 1.0  # the kernel is asked which slots' processes are gone
+    publish_interval: float = 2.0  # snapshot for cgpu-smi and /metrics
+    save_interval: float = 5.0  # state file (also written on exit and before a hot update)
+    stop_deadline: float = 15.0  # a stop (OOM script, then SIGKILL) is given up after this
+
+    def __post_init__(self) -> None:
+        for name in ("period", "slice", "tree_refresh", "full_refresh", "memory_interval",
+                     "reclaim_interval", "publish_interval", "save_interval", "stop_deadline"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+def gpu_config(nodes: GpuNodes, specs: Mapping[str, ContainerSpec]) -> GpuConfig:
+    """The scheduler's configuration of one GPU from its nodes and its containers'."""
+    return GpuConfig(
+        policy=nodes.policy,  # type: ignore[arg-type]  # GpuConfig converts and checks
+        max_inst=nodes.max_inst,
+        prio_ratio=nodes.prio_ratio,
+        containers={n: specs.get(n, ContainerSpec(weight=0)) for n in sorted(nodes.containers)},
+    )
+
+
+@dataclass
+class DaemonView:
+    """What the daemon knows of the tree (merged from quick polls and full reads)."""
+
+    nodes: dict[int, GpuNodes] = field(default_factory=dict)
+    specs: dict[Key, ContainerSpec] = field(default_factory=dict)
+    memsize: dict[Key, int] = field(default_factory=dict)
+    ids: dict[Key, int] = field(default_factory=dict)
+
+    def config(self, gpu: int) -> GpuConfig:
+        nodes = self.nodes[gpu]
+        specs = {n: s for (g, n), s in self.specs.items() if g == gpu}
+        return gpu_config(nodes, specs)
+
+    def listed(self) -> dict[int, set[str]]:
+        """The containers each GPU lists."""
+        return {g: set(nodes.containers) for g, nodes in self.nodes.items()}
+
+
+class Worker:
+    """One service's worker thread: its blocking calls run there, one at a time,
+    so a slow call (a hung NVML, a stuck FUSE mount) holds up that service only.
+    With `inline` (tests), calls run through it instead."""
+
+    def __init__(self, inline: Blocking[Any] | None = None, *, threads: int = 1) -> None:
+        self._inline = inline
+        self._limiter = trio.CapacityLimiter(threads)
+
+    async def __call__(self, fn: Callable[[], T], *, abandon_on_cancel: bool = False) -> T:
+        if self._inline is not None:
+            result: T = await self._inline(fn)
+            return result
+        return await trio.to_thread.run_sync(fn, limiter=self._limiter,
+                                             abandon_on_cancel=abandon_on_cancel)

@@ -1,0 +1,103 @@
+"""The memory service: NVML's processes put into containers by the kernel's
+view, fed into the tree (`meminfo`), and the backstop that stops the processes
+of a container over its limit, each stop a task of its own with a deadline."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import trio
+
+from cgpu_km.daemon.backstop import Grandfather, MemoryView, over_limit
+from cgpu_km.daemon.context import Settings, Worker
+from cgpu_km.daemon.edges import Key, Plane, Tree
+from cgpu_km.daemon.treesync import TreeSync
+
+log = logging.getLogger("cgpu-daemon")
+
+
+class MemoryService:
+    """GPU memory by container, every `memory_interval`, and what is done about it."""
+
+    def __init__(self, tree: Tree, plane: Plane, sync: TreeSync, settings: Settings, *,
+                 worker: Worker, feed_worker: Worker, stop_workers: Worker) -> None:
+        self.tree = tree
+        self.plane = plane
+        self.sync = sync
+        self.settings = settings
+        self.worker = worker
+        self.feed_worker = feed_worker
+        self.stop_workers = stop_workers
+        self.memory = MemoryView(by_container={})
+        self.grandfather = Grandfather()
+        self.stopping: set[tuple[Key, int]] = set()
+        self.stopped: dict[Key, int] = {}  # processes stopped, by container
+        self._fed: dict[Key, dict[int, int]] = {}
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        async with trio.open_nursery() as stops:
+            task_status.started()
+            deadline = trio.current_time()
+            while True:
+                try:
+                    memory = await self.worker(self.plane.memory)
+                except OSError as error:
+                    log.warning("cannot read GPU memory: %s", error)
+                else:
+                    self.memory = memory
+                    self._backstop(memory, stops)
+                    await self._feed_meminfo(memory)
+                deadline += self.settings.memory_interval
+                await trio.sleep_until(deadline)
+
+    async def _feed_meminfo(self, memory: MemoryView) -> None:
+        specs = self.sync.view.specs
+        for key in list(specs):  # the tree service may change it while we await
+            found = memory.by_container.get(key)
+            procs = dict(found.procs) if found is not None else {}
+            if self._fed.get(key) == procs:
+                continue
+            try:
+                await self.feed_worker(partial(self.tree.feed_meminfo, key[0], key[1], procs))
+            except OSError as error:
+                log.debug("meminfo %s on GPU %d not fed: %s", key[1], key[0], error)
+                continue
+            self._fed[key] = procs
+        for key in set(self._fed) - set(specs):
+            del self._fed[key]
+
+    def _backstop(self, memory: MemoryView, stops: trio.Nursery) -> None:
+        """Stop the largest processes of every container over its limit, each in a
+        task of its own. A limit lowered below what a cGPU container holds leaves
+        it what it held until its use falls under (eGPU: the operator asked for
+        the OOM script and the stop)."""
+        lowered = self.sync.take_lowered()
+        for key, found in memory.by_container.items():
+            limit = self.sync.view.memsize.get(key, 0)
+            if not self.plane.egpu(key):
+                limit = self.grandfather.limit(key, limit, found.total, key in lowered)
+            over = [pid for pid in over_limit(found.procs, limit)
+                    if (key, pid) not in self.stopping]
+            if not over:
+                continue
+            log.warning("container %s on GPU %d holds %d bytes over its limit of %d: "
+                        "stopping pids %s", key[1], key[0], found.total - limit, limit,
+                        " ".join(map(str, over)))
+            for pid in over:
+                self.stopping.add((key, pid))
+                stops.start_soon(self._stop, key, pid)
+        self.grandfather.forget(set(memory.by_container))
+
+    async def _stop(self, key: Key, pid: int) -> None:
+        try:
+            with trio.move_on_after(self.settings.stop_deadline) as scope:
+                await self.stop_workers(partial(self.plane.stop, key, pid),
+                                        abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                log.warning("stopping pid %d of %s took over %.0f s", pid, key[1],
+                            self.settings.stop_deadline)
+            self.stopped[key] = self.stopped.get(key, 0) + 1
+        finally:
+            self.stopping.discard((key, pid))

@@ -1,0 +1,192 @@
+"""The publishing service: the snapshot for `cgpu-smi` and Prometheus, and the
+state file that carries the scheduler's credits across restarts."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from cgpu_km.daemon import snapshot as snap
+from cgpu_km.daemon.context import Settings, Worker
+from cgpu_km.daemon.edges import Key, Plane
+from cgpu_km.daemon.memory import MemoryService
+from cgpu_km.daemon.treesync import TreeSync
+from cgpu_km.gpus import GpuInfo
+
+log = logging.getLogger("cgpu-daemon")
+
+STATE_FORMAT = 1
+STATE_NAME = "daemon-state.json"
+# Scheduler credits older than this are not restored (the world moved on).
+STATE_MAX_AGE = 60.0
+# Achieved utilization in the snapshot: GPU time per second over this many seconds.
+UTILIZATION_WINDOW = 5.0
+
+
+class StateFile:
+    """`<state_dir>/daemon-state.json`: each GPU's scheduler state, written atomically."""
+
+    def __init__(self, state_dir: Path, wall_clock: Callable[[], float]) -> None:
+        self.path = state_dir / STATE_NAME
+        self.wall_clock = wall_clock
+
+    def state(self, plane: Plane, gpus: set[int]) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "pid": os.getpid(),
+            "saved": self.wall_clock(),
+            "gpus": {str(i): plane.scheduler_state(i) for i in sorted(gpus)},
+        }
+
+    def write(self, state: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(state, sort_keys=True))
+        os.replace(temporary, self.path)
+
+    def load(self) -> dict[str, Any]:
+        """The previous daemon's scheduler state by GPU, if its file is recent and sound."""
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            log.warning("ignoring state file %s: %s", self.path, error)
+            return {}
+        if (not isinstance(data, dict) or data.get("format") != STATE_FORMAT
+                or not isinstance(data.get("gpus"), dict)):
+            log.warning("ignoring state file %s: unknown format", self.path)
+            return {}
+        try:
+            age = self.wall_clock() - float(data.get("saved", 0))
+        except (TypeError, ValueError):
+            age = -1.0
+        if not 0 <= age <= STATE_MAX_AGE:
+            log.info("state file is %.0f s old: starting with fresh credits", age)
+            return {}
+        log.info("restored scheduler state saved %.1f s ago", age)
+        gpus: dict[str, Any] = data["gpus"]
+        return gpus
+
+
+class Publisher:
+    """Freezes the daemon's figures into a snapshot every `publish_interval` and
+    saves the state file every `save_interval`."""
+
+    def __init__(self, plane: Plane, sync: TreeSync, memory: MemoryService,
+                 state_file: StateFile, settings: Settings, worker: Worker, *,
+                 gpu_info: Mapping[int, GpuInfo],
+                 publish: Callable[[snap.Snapshot], None] | None) -> None:
+        self.plane = plane
+        self.sync = sync
+        self.memory = memory
+        self.state_file = state_file
+        self.settings = settings
+        self.worker = worker
+        self.gpu_info = dict(gpu_info)
+        self.publish = publish
+        self.started = state_file.wall_clock()
+        self.utilization: dict[Key, float] = {}
+        self._usage_history: collections.deque[tuple[float, dict[Key, float]]] = (
+            collections.deque())
+
+    def save_state(self) -> None:
+        self.state_file.write(self.state_file.state(self.plane, self.sync.scheduled))
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        task_status.started()
+        deadline = trio.current_time()
+        next_save = deadline + self.settings.publish_interval  # soon after start
+        while True:
+            if self.publish is not None:
+                try:
+                    await self.worker(partial(self.publish, self.snapshot()))
+                except OSError as error:
+                    log.warning("cannot publish the snapshot: %s", error)
+            deadline += self.settings.publish_interval
+            await trio.sleep_until(deadline)
+            if trio.current_time() >= next_save:
+                next_save += self.settings.save_interval
+                try:
+                    await self.worker(self.save_state)
+                except OSError as error:
+                    log.warning("cannot save state: %s", error)
+
+    def _gpu_time(self) -> dict[Key, float]:
+        """GPU seconds each container was charged by its GPU's dispatcher."""
+        return {(gpu, name): used for gpu, figures in self.plane.figures().items()
+                for name, used in figures.used.items()}
+
+    def _utilization_since(self, now: float, usage: dict[Key, float]) -> dict[Key, float]:
+        """Each container's GPU time per second over the last UTILIZATION_WINDOW (0..1)."""
+        history = self._usage_history
+        while history and now - history[0][0] > UTILIZATION_WINDOW:
+            history.popleft()
+        base = history[0] if history else None
+        history.append((now, usage))
+        if base is None or now <= base[0]:
+            return {}
+        then, before = base
+        return {key: min(1.0, max(0.0, used - before.get(key, used)) / (now - then))
+                for key, used in usage.items()}
+
+    def snapshot(self) -> snap.Snapshot:
+        """The figures `cgpu-smi` and Prometheus show, frozen now."""
+        now = self.state_file.wall_clock()
+        usage = self._gpu_time()
+        figures = self.plane.figures()
+        self.utilization = self._utilization_since(now, usage)
+        view = self.sync.view
+        memory = self.memory.memory
+        gpus = []
+        containers = []
+        for index in sorted(view.nodes):
+            nodes = view.nodes[index]
+            info = self.gpu_info.get(index)
+            total = info.memory_total if info else 0
+            shares = figures[index].shares if index in figures else {}
+            weights = sum(view.specs[index, n].weight for n in nodes.containers
+                          if (index, n) in view.specs)
+            gpus.append(snap.GpuFigures(
+                index=index, uuid=info.uuid if info else "", name=info.name if info else "",
+                memory_total_bytes=total, memory_used_bytes=memory.used_by_gpu.get(index),
+                utilization=min(1.0, sum(self.utilization.get((index, n), 0.0)
+                                         for n in nodes.containers)),
+                policy=nodes.policy, max_inst=nodes.max_inst, prio_ratio=nodes.prio_ratio,
+                free_weight=max(0, nodes.max_inst - weights),
+            ))
+            for name in sorted(nodes.containers):
+                key = (index, name)
+                spec = view.specs.get(key)
+                if spec is None:
+                    continue
+                found = memory.by_container.get(key)
+                procs = found.procs if found is not None else {}
+                unmanaged = found.unmanaged if found is not None else frozenset()
+                containers.append(snap.ContainerFigures(
+                    name=name, id=view.ids.get(key, 0), gpu=index, weight=spec.weight,
+                    highprio=spec.highprio, util_limit=spec.util_limit,
+                    target_share=float(shares.get(name, 0)),
+                    utilization=min(1.0, self.utilization.get(key, 0.0)),
+                    memory_used_bytes=sum(procs.values()),
+                    memory_limit_bytes=view.memsize.get(key, 0) or total,
+                    gpu_time_seconds=usage.get(key, 0.0),
+                    gate_wait_seconds=memory.gate_wait.get(key, 0.0),
+                    oom_events=memory.oom_refusals.get(key, 0) + self.memory.stopped.get(key, 0),
+                    processes=tuple(snap.ProcessFigures(pid, size, pid not in unmanaged)
+                                    for pid, size in sorted(procs.items())),
+                ))
+        return snap.Snapshot(
+            version=self.sync.version, pid=os.getpid(), period_seconds=self.settings.period,
+            timestamp=now, started=self.started,
+            gpus=tuple(gpus), containers=tuple(containers),
+        )

@@ -1,0 +1,42 @@
+"""The region services: attach the regions of new containers, free the
+process slots of processes the kernel no longer runs."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import trio
+
+from cgpu_km.daemon.context import DaemonView, Settings, Worker
+from cgpu_km.daemon.edges import Plane
+
+log = logging.getLogger("cgpu-daemon")
+
+
+async def serve_attach(plane: Plane, view: DaemonView, settings: Settings, worker: Worker, *,
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Every period: attach the regions of listed containers that had none
+    (the hook and cgpu-run register before they create the region)."""
+    task_status.started()
+    deadline = trio.current_time()
+    while True:
+        deadline += settings.period
+        await trio.sleep_until(deadline)
+        missing: set[str] = await worker(plane.missing)
+        if view.nodes and missing:
+            await worker(partial(plane.attach, view.listed()))
+
+
+async def serve_reclaim(plane: Plane, settings: Settings, worker: Worker, *,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Every reclaim interval: free the slots of processes that are gone."""
+    task_status.started()
+    deadline = trio.current_time()
+    while True:
+        deadline += settings.reclaim_interval
+        await trio.sleep_until(deadline)
+        try:
+            await worker(plane.reclaim)
+        except OSError as error:
+            log.warning("cannot reclaim process slots: %s", error)

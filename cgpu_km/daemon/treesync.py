@@ -1,0 +1,224 @@
+"""The tree service: keeps the daemon's view equal to the control tree and
+pushes it into the data plane.
+
+inotify says which nodes were written, so `echo 2 > <root>/0/policy` acts
+within one period; a slow poll (`tree_refresh`, `full_refresh`) is the safety
+net, and without inotify the GPU nodes are polled every period. A new
+container's region is attached when the tree lists it; a `memsize` written in
+the tree goes into the container's region at once (live memory limits).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import trio
+
+from cgpu_km.daemon.context import DaemonView, Settings, Worker
+from cgpu_km.daemon.edges import Key, Plane, QuickView, Tree, Watcher
+from cgpu_km.daemon.sched import ContainerSpec
+
+log = logging.getLogger("cgpu-daemon")
+
+
+class TreeSync:
+    """The view of the tree, kept current, and what the data plane was told of it."""
+
+    def __init__(self, tree: Tree, plane: Plane, settings: Settings, worker: Worker, *,
+                 on_upgrade: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.tree = tree
+        self.plane = plane
+        self.settings = settings
+        self.worker = worker
+        self.on_upgrade = on_upgrade
+        self.view = DaemonView()
+        self.version = ""
+        self.watcher: Watcher | None = None
+        self.scheduled: set[int] = set()  # GPUs whose dispatcher was configured
+        self.limits: dict[Key, int] = {}  # memsize as last given to the regions
+        self.saved: dict[str, Any] = {}  # the previous daemon's scheduler state, per GPU
+        self._lowered: set[Key] = set()
+        self._error: str | None = None
+
+    def take_lowered(self) -> set[Key]:
+        """The containers whose limit was lowered since the last call."""
+        lowered, self._lowered = self._lowered, set()
+        return lowered
+
+    async def read_all(self) -> None:
+        """Every node of the tree (start, SIGHUP, and the slow safety sweep)."""
+        quick = await self.worker(partial(self.tree.read_quick, True))
+        self.version = quick.version
+        await self._refresh(quick, every_container=True)
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the whole tree and reattach the regions."""
+        try:
+            await self.read_all()
+            log.info("reloaded: %s", self.status())
+        except OSError as error:
+            self._note_error(error)
+
+    def status(self) -> str:
+        return f"{len(self.view.nodes)} GPUs, {len(self.view.specs)} containers"
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Read the tree (started once read), then follow it: watched changes at
+        once, a poll of the GPU nodes every `tree_refresh` and of every container's
+        nodes every `full_refresh`; without a watcher, every period and every
+        `tree_refresh`."""
+        self.watcher = self.tree.watcher()
+        try:
+            await self._first_read()
+            async with trio.open_nursery() as nursery:
+                if self.watcher is not None:
+                    nursery.start_soon(self._serve_watch, self.watcher)
+                task_status.started()
+                await self._serve_polls()
+        finally:
+            if self.watcher is not None:
+                self.watcher.close()
+                self.watcher = None
+
+    async def _first_read(self) -> None:
+        deadline = trio.current_time()
+        while True:
+            try:
+                await self.read_all()
+                break
+            except OSError as error:
+                self._note_error(error)
+            deadline += self.settings.period
+            await trio.sleep_until(deadline)
+        self._note_ok()
+
+    async def _serve_polls(self) -> None:
+        watching = self.watcher is not None
+        poll = self.settings.tree_refresh if watching else self.settings.period
+        full = self.settings.full_refresh if watching else self.settings.tree_refresh
+        next_full = trio.current_time() + full
+        deadline = trio.current_time()
+        while True:
+            deadline += poll
+            await trio.sleep_until(deadline)
+            try:
+                if trio.current_time() >= next_full:
+                    next_full += full
+                    await self.read_all()
+                else:
+                    await self._poll()
+                self._note_ok()
+            except OSError as error:
+                self._note_error(error)
+
+    async def _read_container(self, gpu: int, name: str) -> bool:
+        """Read one container's nodes into the view; False when it is gone."""
+        try:
+            nodes = await self.worker(partial(self.tree.read_container, gpu, name))
+        except FileNotFoundError:
+            return False
+        self.view.specs[gpu, name] = ContainerSpec(
+            weight=nodes.weight, highprio=bool(nodes.highprio), util_limit=nodes.util_limit
+        )
+        self.view.memsize[gpu, name] = nodes.memsize
+        self.view.ids[gpu, name] = nodes.id
+        return True
+
+    async def _refresh(self, quick: QuickView, *, every_container: bool = False) -> None:
+        """Merge a quick read: read the containers that appeared (or all of them),
+        forget those that left, reattach the regions, apply."""
+        old = self.view.nodes
+        self.view.nodes = dict(quick.gpus)
+        came_or_went = set(old) != set(quick.gpus) or any(
+            old[g].containers != quick.gpus[g].containers for g in quick.gpus
+        )
+        for gpu, nodes in quick.gpus.items():
+            known = old[gpu].containers if gpu in old else frozenset()
+            for name in sorted(nodes.containers if every_container
+                               else nodes.containers - known):
+                await self._read_container(gpu, name)
+        present = {(g, n) for g, nodes in quick.gpus.items() for n in nodes.containers}
+        for table in (self.view.specs, self.view.memsize, self.view.ids):
+            for key in set(table) - present:
+                del table[key]
+        if came_or_went or every_container:
+            await self.worker(partial(self.plane.attach, self.view.listed()))
+            if self.watcher is not None:
+                self.watcher.sync(self.view.nodes)
+        self._apply()
+
+    def _apply(self) -> None:
+        """Push the view into the data plane: each GPU's configuration to its
+        dispatcher (started on first use), each container's memsize to its region."""
+        for index in self.scheduled - set(self.view.nodes):
+            self.plane.forget_gpu(index)
+        self.scheduled &= set(self.view.nodes)
+        for index in self.view.nodes:
+            saved = self.saved.get(str(index)) if index not in self.scheduled else None
+            self.plane.schedule(index, self.view.config(index), saved)
+            self.scheduled.add(index)
+        for key, memsize in self.view.memsize.items():
+            before = self.limits.get(key)
+            if before != memsize:
+                if before is not None and (before == 0 or 0 < memsize < before):
+                    self._lowered.add(key)
+                self.plane.set_limit(key, memsize)
+                self.limits[key] = memsize
+        for key in set(self.limits) - set(self.view.memsize):
+            del self.limits[key]
+
+    async def _poll(self) -> None:
+        quick = await self.worker(self.tree.read_quick)
+        await self._refresh(quick)
+        if quick.upgrade == 1 and self.on_upgrade is not None:
+            await self.on_upgrade()
+
+    async def _poll_names(self) -> None:
+        names = await self.worker(self.tree.read_names)
+        if set(names) != set(self.view.nodes):
+            await self._poll()
+            return
+        if all(names[g] == self.view.nodes[g].containers for g in names):
+            return
+        await self._refresh(QuickView(upgrade=0, gpus={
+            g: replace(nodes, containers=names[g]) for g, nodes in self.view.nodes.items()
+        }))
+
+    async def _serve_watch(self, watcher: Watcher) -> None:
+        """Apply written nodes as soon as the tree says they were written."""
+        while True:
+            await trio.lowlevel.wait_readable(watcher.fileno())
+            changes = watcher.changes()
+            try:
+                if any(c.name is None and c.node != "inst_ctl" for c in changes):
+                    await self._poll()  # a GPU node or upgrade: rare, read them all
+                elif any(c.node == "inst_ctl" for c in changes):
+                    # Containers may have come or gone; most often it is only our
+                    # own meminfo feed, so list the names, nothing more.
+                    await self._poll_names()
+                changed = {(c.gpu, c.name) for c in changes
+                           if c.gpu is not None and c.name is not None}
+                for gpu, name in sorted(changed):
+                    if (gpu, name) in self.view.specs:
+                        await self._read_container(gpu, name)
+                if changed:
+                    self._apply()
+                watcher.sync(self.view.nodes)  # re-watch replaced files (cheap otherwise)
+            except OSError as error:
+                self._note_error(error)
+
+    def _note_error(self, error: OSError) -> None:
+        message = f"cannot read the control tree: {error}"
+        if message != self._error:
+            log.error("%s", message)
+            self._error = message
+
+    def _note_ok(self) -> None:
+        if self._error is not None:
+            log.info("control tree readable again")
+            self._error = None
