@@ -79,4 +79,4 @@ class SimHost:
                 for p in folder.iterdir()]
 
 
-NOTHING = {0: {}, 1: {}}
+NOTHING: dict[int, dict[str, int]] = {0: {}, 1: {}}  # as registered() says: no containers

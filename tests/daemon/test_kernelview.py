@@ -83,7 +83,7 @@ def test_a_process_in_a_pid_namespace_and_its_children_belong_to_it() -> None:
         assert owner is not None
         host = Host.read()
         assert owner.pidns != host.pidns
-        grandchildren = []
+        grandchildren: list[int] = []
         while not grandchildren and time.monotonic() < deadline:
             grandchildren = [int(p) for p in
                              Path(f"/proc/{init}/task/{init}/children").read_text().split()]

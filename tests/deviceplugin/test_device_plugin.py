@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -13,9 +12,7 @@ import pytest
 from cgpu_km.deviceplugin import api_pb2
 from cgpu_km.deviceplugin.allocation import MIB
 from cgpu_km.deviceplugin.plugin import KUBELET_MAX_MESSAGE, Config, DevicePlugin, main
-
-if TYPE_CHECKING:
-    from conftest import FakeSource, Harness
+from tests.deviceplugin.doubles import FakeSource, Harness
 
 
 def preferred(

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import grpc
@@ -24,9 +24,7 @@ from cgpu_km.deviceplugin.extender import (
     pod_units,
 )
 from cgpu_km.deviceplugin.plugin import DevicePlugin, extender_link
-
-if TYPE_CHECKING:
-    from conftest import FakeSource, Harness
+from tests.deviceplugin.doubles import FakeSource, Harness
 
 RESOURCE = "aliyun.com/gpu-mem"
 

@@ -14,15 +14,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pytest
 
 from cgpu_km.deviceplugin import api_pb2
 from cgpu_km.gpus import NVML_SONAME, simgpu_lib_dir
-
-if TYPE_CHECKING:
-    from conftest import PluginClient, StubKubelet
+from tests.deviceplugin.doubles import PluginClient, StubKubelet
 
 VENV_BIN = Path(sys.executable).parent
 MIB = 1 << 20
@@ -74,7 +72,7 @@ def plugin_process(
         process.wait()
 
 
-def hook_plan(env: dict[str, str], sim_env: dict[str, str]) -> dict[str, object]:
+def hook_plan(env: dict[str, str], sim_env: dict[str, str]) -> dict[str, Any]:
     result = subprocess.run(
         [str(VENV_BIN / "cgpu-hook"), "plan", *(f"--env={k}={v}" for k, v in env.items())],
         env=sim_env,
@@ -84,7 +82,7 @@ def hook_plan(env: dict[str, str], sim_env: dict[str, str]) -> dict[str, object]
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    plan: dict[str, object] = json.loads(result.stdout)
+    plan: dict[str, Any] = json.loads(result.stdout)  # the JSON cgpu-hook plan prints
     return plan
 
 
@@ -133,7 +131,7 @@ def test_plugin_on_four_simgpus_drives_the_hook(
             assert env["ALIYUN_COM_GPU_MEM_DEV"] == str(UNITS[expected])
             plan = hook_plan(env, sim_env)
             assert plan["enabled"] is True
-            (gpu,) = plan["gpus"]  # type: ignore[misc]
+            (gpu,) = plan["gpus"]
             total = SIMULATED[expected][1] * MIB
             assert gpu["uuid"] == SIMULATED[expected][2]
             assert gpu["index"] == expected
@@ -153,7 +151,7 @@ def test_t4_worked_example_six_of_fifteen(sim_env: dict[str, str]) -> None:
         "ALIYUN_COM_GPU_MEM_CONTAINER": "6",
         "ALIYUN_COM_GPU_MEM_DEV": "15",
     }
-    (gpu,) = hook_plan(env, sim_env)["gpus"]  # type: ignore[misc]
+    (gpu,) = hook_plan(env, sim_env)["gpus"]
     assert gpu["memsize"] == 15109 * MIB * 6 // 15
     assert gpu["memsize"] // MIB == 6043
 

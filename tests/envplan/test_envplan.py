@@ -12,6 +12,7 @@ from cgpu_km.container.envplan import (
     DISABLED,
     GIB,
     MIB,
+    Plan,
     PlanError,
     list_element,
     parse_request,
@@ -31,7 +32,7 @@ FOUR = [
 ]
 
 
-def plan(env: dict[str, str], gpus: list[GpuInfo] | None = None, max_inst: int = 16):
+def plan(env: dict[str, str], gpus: list[GpuInfo] | None = None, max_inst: int = 16) -> Plan:
     return resolve_plan(env, FOUR if gpus is None else gpus, max_inst)
 
 

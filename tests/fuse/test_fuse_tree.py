@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,7 @@ def test_signal_unmounts_cleanly(mounted_tree: object, signum: int) -> None:
 
 def test_bad_options_fail_with_a_message(tmp_path: Path) -> None:
     result = subprocess.run(
-        [shutil.which("cgpu-fuse") or str(Path(os.sys.executable).parent / "cgpu-fuse"),
+        [shutil.which("cgpu-fuse") or str(Path(sys.executable).parent / "cgpu-fuse"),
          "--root", str(tmp_path / "m"), "--policy", "9"],
         text=True, capture_output=True, timeout=30,
     )

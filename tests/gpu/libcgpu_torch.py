@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from cgpu_km.dataplane import kernelview  # noqa: E402
 from cgpu_km.dataplane import region as region_mod  # noqa: E402
 
 MiB = 1 << 20
@@ -73,6 +74,15 @@ def query_gpu(index: int) -> tuple[str, int]:
     return uuid, int(total) * MiB
 
 
+def alive(view: region_mod.ProcView) -> bool:
+    """Whether a slot's process still runs: the checks' processes share our pid namespace."""
+    try:
+        state, start = kernelview.parse_stat(Path(f"/proc/{view.pid}/stat").read_text())
+    except OSError:
+        return False
+    return state not in ("Z", "X") and start == view.start_time
+
+
 class Setup:
     def __init__(self, tmp: Path, limit: int, uuid: str, gpu: int) -> None:
         self.tmp = tmp
@@ -95,7 +105,7 @@ class Setup:
 
     def fresh(self) -> None:
         """Forget earlier processes' slots (they have exited)."""
-        self.region.reclaim()
+        self.region.reclaim(alive)
 
     def heartbeat_on(self) -> None:
         self.beating.set()

@@ -57,13 +57,14 @@ class DriverBackend:
     def __init__(self) -> None:
         self.cuda = ctypes.CDLL("libcuda.so.1")
         device, context = ctypes.c_int(), ctypes.c_void_p()
-        for name, rc in (
+        steps: tuple[tuple[str, Callable[[], int]], ...] = (
             ("cuInit", lambda: self.cuda.cuInit(0)),
             ("cuDeviceGet", lambda: self.cuda.cuDeviceGet(ctypes.byref(device), 0)),
             ("cuDevicePrimaryCtxRetain",
              lambda: self.cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
             ("cuCtxSetCurrent", lambda: self.cuda.cuCtxSetCurrent(context)),
-        ):
+        )
+        for name, rc in steps:
             result = rc()
             if result != 0:
                 raise RuntimeError(f"{name} failed: CUresult {result}")

@@ -15,10 +15,14 @@ import ctypes
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import phases
+if TYPE_CHECKING:  # mypy knows tests/gpu/phases.py by its package path
+    from tests.gpu import phases
+else:  # run as a script, next to phases.py
+    import phases
 
 KERNELS = 4
 BASE_US = 2000

@@ -166,7 +166,7 @@ def containers(tree: Path) -> dict[int, dict[str, tuple[int, int, int, int]]]:
     }
 
 
-EMPTY = {index: {} for index in range(4)}
+EMPTY: dict[int, dict[str, tuple[int, int, int, int]]] = {index: {} for index in range(4)}
 
 
 def test_running_container_is_registered_and_removed_after_delete(

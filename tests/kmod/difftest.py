@@ -198,6 +198,7 @@ def expected(ops: Sequence[Op], gpu_memory: tuple[int, ...] = GPU_MEMORY) -> lis
             else:
                 lines.append(f"{index} = {_render(tree.read(op.path))}")
         except TreeError as exc:
+            assert exc.errno is not None  # TreeError(code, reason) always sets it
             lines.append(f"{index} ERR {errno.errorcode[exc.errno]}")
     return lines
 

@@ -13,6 +13,7 @@ import ctypes
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -30,9 +31,11 @@ def main(ops: list[str]) -> int:
     cuda = ctypes.CDLL("libcuda.so.1")
     device = ctypes.c_int()
     ctx = ctypes.c_void_p()
-    for call in (lambda: cuda.cuInit(0), lambda: cuda.cuDeviceGet(ctypes.byref(device), 0),
-                 lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device),
-                 lambda: cuda.cuCtxSetCurrent(ctx)):
+    steps: tuple[Callable[[], int], ...] = (
+        lambda: cuda.cuInit(0), lambda: cuda.cuDeviceGet(ctypes.byref(device), 0),
+        lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device),
+        lambda: cuda.cuCtxSetCurrent(ctx))
+    for call in steps:
         rc = call()
         if rc != 0:
             print(f"init rc={rc}")

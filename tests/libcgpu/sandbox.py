@@ -82,25 +82,28 @@ class Sandbox:
         return env
 
     def workload(self, *ops: str, getproc: bool = False, timeout: float = 30,
-                 **env_options: bool) -> subprocess.CompletedProcess[str]:
+                 preload: bool = True, region: bool = True) -> subprocess.CompletedProcess[str]:
         args = [str(self.built.workload), *(["--getproc"] if getproc else []), *ops]
-        return subprocess.run(args, env=self.env(**env_options), capture_output=True,
-                              text=True, timeout=timeout)
-
-    def popen(self, args: list[str], **env_options: bool) -> subprocess.Popen[str]:
-        return subprocess.Popen(args, env=self.env(**env_options), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def python(self, script: str, *args: str, timeout: float = 30,
-               **env_options: bool) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-c", script, *args], env=self.env(**env_options),
+        return subprocess.run(args, env=self.env(preload=preload, region=region),
                               capture_output=True, text=True, timeout=timeout)
 
-    def ctypes_workload(self, *ops: str, timeout: float = 30,
-                        **env_options: bool) -> subprocess.CompletedProcess[str]:
+    def popen(self, args: list[str], *, preload: bool = True,
+              region: bool = True) -> subprocess.Popen[str]:
+        return subprocess.Popen(args, env=self.env(preload=preload, region=region),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def python(self, script: str, *args: str, timeout: float = 30,
+               preload: bool = True, region: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", script, *args],
+                              env=self.env(preload=preload, region=region),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def ctypes_workload(self, *ops: str, timeout: float = 30, preload: bool = True,
+                        region: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(HERE / "ctypes_workload.py"), *ops],
-                              env=self.env(**env_options), capture_output=True, text=True,
-                              timeout=timeout)
+                              env=self.env(preload=preload, region=region),
+                              capture_output=True, text=True, timeout=timeout)
 
     def start_heartbeat(self, period: float = 0.05) -> None:
         """Act as a live daemon: stamp the heartbeat until stop_heartbeat()."""

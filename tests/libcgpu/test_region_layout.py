@@ -21,7 +21,7 @@ STRUCTS = {
     "cgpu_proc": region.ProcSlot,
     "cgpu_account": region.AccountLayout,
 }
-CONSTANTS = {
+CONSTANTS: dict[str, int | str] = {
     "CGPU_CONTROL_MAGIC": region.CONTROL_MAGIC,
     "CGPU_ACCOUNT_MAGIC": region.ACCOUNT_MAGIC,
     "CGPU_REGION_VERSION": region.VERSION,

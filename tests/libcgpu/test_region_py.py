@@ -140,9 +140,12 @@ def test_a_close_bumps_close_seq_and_wakes_watchers(tmp_path: Path) -> None:
         assert (r.close_seq(0), r._control.wake) == (0, wake)
         address = ctypes.addressof(r._control) + region_mod.ControlLayout.wake.offset
         woke: list[float] = []
-        thread = threading.Thread(target=lambda: (
-            futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10),
-            woke.append(time.monotonic())))
+
+        def watch() -> None:
+            futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10)
+            woke.append(time.monotonic())
+
+        thread = threading.Thread(target=watch)
         thread.start()
         time.sleep(0.1)
         closed = time.monotonic()

@@ -55,8 +55,8 @@ def make_rootfs(root: Path, built: Built) -> None:
         (root / "bin" / applet).symlink_to("busybox")
     shutil.copy2(built.workload, root / "workload")
     libs = set(shared_libraries(built.workload))
-    for lib in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        libs.update(shared_libraries(built.simgpu_dir / lib))
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        libs.update(shared_libraries(built.simgpu_dir / name))
     libs.update(shared_libraries(built.libcgpu))
     for lib in libs:
         if "simgpu" in str(lib):
@@ -66,8 +66,8 @@ def make_rootfs(root: Path, built: Built) -> None:
         shutil.copy2(lib.resolve(), target)
     gpu_libs = root / "usr" / "lib" / "x86_64-linux-gnu"
     gpu_libs.mkdir(parents=True, exist_ok=True)
-    for lib in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        shutil.copy2(built.simgpu_dir / lib, gpu_libs / lib)
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        shutil.copy2(built.simgpu_dir / name, gpu_libs / name)
 
 
 def bundle_for(tmp: Path, tree: Path, rootfs: Path, state: Path, command: str) -> Path:

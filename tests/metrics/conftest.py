@@ -61,6 +61,7 @@ class PrometheusServer:
     """A real Prometheus on loopback scraping `target` every second, with temporary storage."""
 
     def __init__(self, folder: Path, target: str) -> None:
+        assert PROMETHEUS is not None, "the fixture skips when prometheus is not installed"
         folder.mkdir(parents=True, exist_ok=True)
         config = folder / "prometheus.yml"
         config.write_text(

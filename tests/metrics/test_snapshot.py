@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_lookup_by_gpu_and_name(known_snapshot: Snapshot) -> None:
 
 def _mutated(snapshot: Snapshot, path: tuple[str | int, ...], value: object) -> str:
     data = snapshot.to_dict()
-    node = data
+    node: Any = data  # objects and arrays on the way down: str and int keys
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value

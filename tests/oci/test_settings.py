@@ -64,7 +64,7 @@ def test_hook_env_on_simgpu() -> None:
                                            "SIMGPU_DEVICES=Tesla T4:15109MiB")
 
 
-TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=12)
+TEXT = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=12)
 
 
 @given(st.lists(TEXT, min_size=1, max_size=3), TEXT, st.none() | TEXT,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the fixture's type; conftest is not importable under importlib mode
-    from conftest import SimHost
+from tests.simgpu.simhost import SimHost
 
 SHARE_CODE = """
     def work(role, barrier):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the fixture's type; conftest is not importable under importlib mode
-    from conftest import SimHost
+from tests.simgpu.simhost import SimHost
 
 PERIOD_US = 167_000
 HALF = 100 * 2000 / 4050  # each of two busy processes: a 2 ms slice per 2 ms + 2 switches

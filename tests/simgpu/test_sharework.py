@@ -5,14 +5,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.bench.shares import count, parse_report
-
-if TYPE_CHECKING:  # the fixture's type; conftest is not importable under importlib mode
-    from conftest import SimHost
+from tests.simgpu.simhost import SimHost
 
 
 def sharework(sim: SimHost, *args: str) -> subprocess.Popen[str]:

@@ -9,12 +9,10 @@ import stat
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 
-if TYPE_CHECKING:  # the fixture's type; conftest is not importable under importlib mode
-    from conftest import SimHost
+from tests.simgpu.simhost import SimHost
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import errno
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -21,9 +22,10 @@ from cgpu_km.tree.model import (
 from cgpu_km.tree.nodes import NODES, NODES_BY_LEVEL, Level
 
 
-def errno_of(call: object, *args: object) -> int:
+def errno_of(call: Callable[..., object], *args: object) -> int:
     with pytest.raises(TreeError) as info:
-        call(*args)  # type: ignore[operator]
+        call(*args)
+    assert info.value.errno is not None  # TreeError(code, reason) always sets it
     return info.value.errno
 
 
@@ -176,9 +178,14 @@ def test_parse_command_rejects(command: bytes) -> None:
 
 
 def test_bad_initial_values_are_refused() -> None:
-    for kwargs in [{"policy": 6}, {"max_inst": 0}, {"prio_ratio": 100}]:
+    bad: list[Callable[[], ControlTree]] = [
+        lambda: ControlTree(1, policy=6),
+        lambda: ControlTree(1, max_inst=0),
+        lambda: ControlTree(1, prio_ratio=100),
+    ]
+    for make in bad:
         with pytest.raises(ValueError, match="must be"):
-            ControlTree(1, **kwargs)
+            make()
     with pytest.raises(ValueError, match="gpus"):
         ControlTree(17)
 
