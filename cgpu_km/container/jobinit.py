@@ -32,6 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     child = os.fork()
     if child == 0:
+        # cgpu-run starts us with these blocked, so none is lost before the
+        # handlers below exist; CMD gets them as usual.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         try:
             os.execvp(command[0], command)
         except OSError as error:
@@ -44,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     while True:
         try:
             pid, status = os.wait()

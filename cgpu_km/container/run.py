@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
 
@@ -39,6 +41,7 @@ from cgpu_km.tree import client as treefs
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
+PR_SET_PDEATHSIG = 1
 
 
 class RunError(Exception):
@@ -224,29 +227,62 @@ def job_pid(child: subprocess.Popen[bytes], namespaced: bool, timeout: float = 5
     return child.pid
 
 
+class Interrupted(Exception):
+    """A forwarded signal came before the job ran: set-up stops and is undone."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    for sig in FORWARDED:  # the undoing is not interrupted in turn
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def _child_setup(parent: int, namespaced: bool) -> None:
+    """In the forked child, before exec: die with cgpu-run (a job must not
+    outlive the container it was registered as), and take the signals again,
+    unless jobinit will: signals sent to a namespace's init before it has
+    handlers are dropped, blocked ones wait."""
+    if not namespaced:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # cgpu-run died before prctl
+        os._exit(1)
+
+
 def run_child(command: list[str], env: dict[str, str], region: Path | None = None) -> int:
     """Run the command (in a pid namespace of its own when root), record its
     identity in `region`, forward signals to it; its exit status (128+N when
-    killed by N)."""
+    killed by N). Signals that come while it starts wait until they can be
+    forwarded; those that come after it ended are ignored (cleanup runs)."""
     prefix = own_namespace_prefix()
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
-        child = subprocess.Popen([*prefix, *command], env=env)
-    except OSError as error:
-        raise RunError(f"cannot run {command[0]}: {error.strerror or error}") from None
-    job = job_pid(child, bool(prefix))
-    if region is not None and prefix:
-        # Its pid namespace only: its cgroups are whoever started cgpu-run's.
-        owner = kernelview.owner_of(job, cgroups=False)
-        if owner is not None:
-            with contextlib.suppress(OSError):
-                kernelview.write_owner(region, owner)
+        try:
+            child = subprocess.Popen([*prefix, *command], env=env,
+                                     preexec_fn=partial(_child_setup, os.getpid(), bool(prefix)))
+        except OSError as error:
+            raise RunError(f"cannot run {command[0]}: {error.strerror or error}") from None
+        job = job_pid(child, bool(prefix))
 
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(job, signum)
+        def forward(signum: int, _frame: FrameType | None) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job, signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        for sig in FORWARDED:
+            signal.signal(sig, forward)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     try:
+        if region is not None and prefix:
+            # Its pid namespace only: its cgroups are whoever started cgpu-run's.
+            owner = kernelview.owner_of(job, cgroups=False)
+            if owner is not None:
+                with contextlib.suppress(OSError):
+                    kernelview.write_owner(region, owner)
         while True:
             try:
                 status = child.wait()
@@ -254,19 +290,25 @@ def run_child(command: list[str], env: dict[str, str], region: Path | None = Non
             except InterruptedError:
                 continue
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_IGN)
     return 128 - status if status < 0 else status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    for sig in FORWARDED:
+        signal.signal(sig, _interrupt)
     try:
         with managed(args) as setup:
             return run_child(args.command, setup.env, setup.region_path)
     except RunError as error:
         print(f"cgpu-run: {error}", file=sys.stderr)
         return 2
+    except Interrupted as interrupted:
+        print(f"cgpu-run: {interrupted} before the job started: nothing left behind",
+              file=sys.stderr)
+        return 128 + interrupted.signum
 
 
 if __name__ == "__main__":

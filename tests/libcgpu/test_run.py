@@ -80,6 +80,70 @@ def test_signals_are_forwarded_and_cleanup_runs(built: Built, control_tree: Path
     assert not (tmp_path / "regions" / "sig1").exists()
 
 
+def job_processes(marker: str) -> list[int]:
+    """Live processes whose command line holds `marker` (a job's own argument)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if marker.encode() in argv and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def wait_gone(marker: str, timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := job_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def python_job(marker: str) -> list[str]:
+    return [sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(60)",
+            marker]
+
+
+def test_a_killed_cgpu_run_takes_its_job_along(built: Built, control_tree: Path,
+                                               tmp_path: Path) -> None:
+    """SIGKILL cannot be forwarded: the job dies with cgpu-run all the same."""
+    marker = f"cgpu-run-job-{tmp_path.name}"
+    proc = subprocess.Popen([CGPU_RUN, "--gpu", "0", "--name", "kill1", "--",
+                             *python_job(marker)],
+                            env=run_env(built, tmp_path, control_tree), stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    with proc.stdout:
+        assert proc.stdout.readline() == "up\n"
+    assert job_processes(marker)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_gone(marker) == []
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.2, 0.3, 0.45, 0.7])
+def test_a_signal_while_starting_leaves_nothing_behind(built: Built, control_tree: Path,
+                                                       tmp_path: Path, delay: float) -> None:
+    """SIGTERM at some point of the start (interpreter, registration, region, the
+    job's spawn): whatever was done is undone and no job is left running."""
+    marker = f"cgpu-run-job-{tmp_path.name}"
+    proc = subprocess.Popen([CGPU_RUN, "--gpu", "0", "--name", "early1", "--",
+                             *python_job(marker)],
+                            env=run_env(built, tmp_path, control_tree),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), err
+    assert "Traceback" not in err
+    assert wait_gone(marker) == []
+    assert not (control_tree / "0" / "early1").exists()
+    regions = tmp_path / "regions"
+    assert not regions.exists() or list(regions.iterdir()) == []
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--gpu", "5", "--", "true"], "no GPU 5"),
     (["--gpu", "0", "--name", "bad/name", "--", "true"], "bad container id"),
