@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.children import stop_child
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
@@ -53,12 +55,7 @@ class MountedTree:
     def stop(self) -> int | None:
         """Unmount and return cgpu-fuse's exit status."""
         _unmount(self.root)
-        try:
-            return self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            return None
+        return stop_child(self.process, 10, signum=None)
 
 
 def _gpu_count(request: pytest.FixtureRequest) -> int:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import tempfile
 from pathlib import Path
+
+from cgpu_km.fileio import replace_file
 
 CLAIM_DIR_ENV = "CGPU_HOOK_STATE_DIR"
 DEFAULT_CLAIM_DIR = "/run/cgpu_km-hook"
@@ -59,15 +60,7 @@ def write(id12: str, container_id: str, folder: Path | None = None) -> None:
     """Record the holder atomically (a folder only root can enter)."""
     target = folder or claim_dir()
     target.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{id12}.", dir=target)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(container_id + "\n")
-        os.replace(temporary, target / id12)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+    replace_file(target / id12, container_id + "\n", 0o600)
 
 
 def drop(id12: str, folder: Path | None = None) -> None:

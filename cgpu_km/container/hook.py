@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from cgpu_km.container import claims
 from cgpu_km.container.envplan import (
@@ -38,6 +38,7 @@ from cgpu_km.container.envplan import (
     switch_mode,
 )
 from cgpu_km.container.inject import create_region, inject_data_plane, remove_data_plane
+from cgpu_km.container.oci.spec import env_map
 from cgpu_km.container.steps import (
     EXIT_BAD_VALUE,
     EXIT_FAILED,
@@ -48,6 +49,7 @@ from cgpu_km.container.steps import (
     PrestartStep,
     Undo,
 )
+from cgpu_km.fileio import FileError, read_json_object
 from cgpu_km.gpus import GpuError, discover_gpus
 from cgpu_km.tree import client as treefs
 
@@ -181,28 +183,15 @@ def read_state(stream: TextIO) -> OciState:
                     pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
 
 
-def env_from_list(pairs: Sequence[Any]) -> dict[str, str]:
-    """`KEY=VALUE` strings as a mapping (the last one wins, as in execve)."""
-    env: dict[str, str] = {}
-    for pair in pairs:
-        if isinstance(pair, str) and "=" in pair:
-            key, value = pair.split("=", 1)
-            env[key] = value
-    return env
-
-
 def container_env(bundle: Path) -> dict[str, str]:
     """The container process's environment from `<bundle>/config.json`."""
-    path = bundle / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except OSError as error:
-        raise HookError(f"cannot read {path}: {error.strerror}") from None
-    except ValueError as error:
-        raise HookError(f"{path} is not JSON: {error}") from None
-    process = config.get("process") if isinstance(config, dict) else None
+        config = read_json_object(bundle / "config.json")
+    except FileError as error:
+        raise HookError(str(error)) from None
+    process = config.get("process")
     pairs = process.get("env") if isinstance(process, dict) else None
-    return env_from_list(pairs if isinstance(pairs, list) else [])
+    return env_map(pairs if isinstance(pairs, list) else [])
 
 
 def require_tree(root: Path) -> None:
@@ -252,7 +241,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         bad = [pair for pair in args.env if "=" not in pair]
         if bad:
             raise HookError(f"--env {bad[0]!r}: expected KEY=VALUE", EXIT_BAD_VALUE)
-        env = env_from_list(args.env)
+        env = env_map(args.env)
     root = treefs.resolve_root(args.root)
     print(make_plan(env, root if (root / "inst_ctl").exists() else None).to_json())
     return 0

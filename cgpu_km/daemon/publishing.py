@@ -19,6 +19,7 @@ from cgpu_km.daemon.context import Settings, Worker
 from cgpu_km.daemon.edges import Key, Plane
 from cgpu_km.daemon.memory import MemoryService
 from cgpu_km.daemon.treesync import TreeSync
+from cgpu_km.fileio import replace_file
 from cgpu_km.gpus import GpuInfo
 
 log = logging.getLogger("cgpu-daemon")
@@ -48,9 +49,7 @@ class StateFile:
 
     def write(self, state: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(state, sort_keys=True))
-        os.replace(temporary, self.path)
+        replace_file(self.path, json.dumps(state, sort_keys=True), 0o600)
 
     def load(self) -> dict[str, Any]:
         """The previous daemon's scheduler state by GPU, if its file is recent and sound."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 import types
 import typing
@@ -28,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cgpu_km.fileio import replace_file
 
 FORMAT = 1
 STATE_DIR_ENV = "CGPU_STATE_DIR"
@@ -208,15 +209,7 @@ def write_snapshot(snapshot: Snapshot, path: str | os.PathLike[str]) -> None:
     """Replace `path` atomically with `snapshot` (mode 0644: readable by cgpu-smi users)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as stream:
-            stream.write(snapshot.to_json())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    replace_file(target, snapshot.to_json(), 0o644)
 
 
 def read_snapshot(path: str | os.PathLike[str]) -> Snapshot | None:

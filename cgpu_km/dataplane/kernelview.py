@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping, Set
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cgpu_km.fileio import replace_file
+
 PROC = "/proc"
 NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2), linux/nsfs.h
 OWNER_NAME = "owner.json"
@@ -232,12 +234,7 @@ def all_pids(proc: str = PROC) -> Iterator[int]:
 
 def write_owner(region: Path, owner: Owner) -> None:
     """Record a container's identity next to its region (root only)."""
-    path = region / OWNER_NAME
-    temporary = path.with_name(f".{OWNER_NAME}.{os.getpid()}")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(owner.to_json())
-    os.replace(temporary, path)
+    replace_file(region / OWNER_NAME, owner.to_json(), 0o600)
 
 
 def read_owner(region: Path) -> Owner | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cgpu_km import paths
+from cgpu_km.children import stop_child
 from cgpu_km.container.oci.settings import CONFIG_ENV
 from cgpu_km.demo.dockerd import DockerError, PrivateDocker
 from cgpu_km.demo.image import ImageError, build_rootfs, rootfs_tar
@@ -95,12 +96,7 @@ def service(host: Host, name: str, args: list[str], ready: Callable[[], object])
         wait_for(name, ready, process)
         yield
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process)
 
 
 @contextlib.contextmanager

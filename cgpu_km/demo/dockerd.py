@@ -15,12 +15,13 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from cgpu_km.children import stop_child
 
 PACKAGE_CLI = "/usr/bin/docker"  # docker.io's client, the engine's own version
 
@@ -125,11 +126,6 @@ class PrivateDocker:
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired, OSError):
                 self.remove_containers()
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            stop_child(self.process, 30)
         unmount_below(self.folder)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -18,11 +18,11 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cgpu_km.fileio import replace_file, replace_link
 from cgpu_km.node.edits import Edit
 
 RECORD_NAME = "install.json"
@@ -31,20 +31,6 @@ BACKUP_DIR = "backup"
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Replace `path` with `data` (a temporary file in its folder, then a rename)."""
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 @dataclass
@@ -102,7 +88,7 @@ class Record:
                 "written": self.written,
                 "edits": {k: [e.to_json() for e in v] for k, v in self.edits.items()},
                 "created_dirs": self.created_dirs, "notes": self.notes}
-        write_atomic(self.path, (json.dumps(data, indent=1) + "\n").encode(), 0o600)
+        replace_file(self.path, (json.dumps(data, indent=1) + "\n").encode(), 0o600)
 
     # --- before writing ---------------------------------------------------------
 
@@ -141,18 +127,14 @@ class Record:
         self.make_dirs(path.parent)
         self.remember(path)
         original = self.originals[str(path)]
-        write_atomic(path, data, original.mode if original.kind == "file" else mode)
+        replace_file(path, data, original.mode if original.kind == "file" else mode)
         self.written[str(path)] = sha256(data)
         self.save()
 
     def link(self, path: Path, target: Path) -> None:
         self.make_dirs(path.parent)
         self.remember(path)
-        temporary = path.with_name(f".{path.name}.cgpu-link")
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
-        temporary.symlink_to(target)
-        os.replace(temporary, path)
+        replace_link(path, target)
         self.written[str(path)] = f"link:{target}"
         self.save()
 
@@ -178,14 +160,10 @@ class Record:
                 path.unlink()
         elif original.kind == "link":
             assert original.target is not None
-            temporary = path.with_name(f".{path.name}.cgpu-link")
-            with contextlib.suppress(FileNotFoundError):
-                temporary.unlink()
-            temporary.symlink_to(original.target)
-            os.replace(temporary, path)
+            replace_link(path, original.target)
         else:
             assert original.backup is not None
-            write_atomic(path, (self.state_dir / original.backup).read_bytes(), original.mode)
+            replace_file(path, (self.state_dir / original.backup).read_bytes(), original.mode)
         self.written.pop(str(path), None)
 
     def remove_created_dirs(self) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.children import stop_child
 from cgpu_km.container.oci.settings import CONFIG_ENV
 from cgpu_km.node import cli
 from tests.containers.conftest import Image
@@ -81,12 +82,7 @@ def containerd(runtime_config: Path) -> Iterator[Containerd]:
     finally:
         for name in engine.ctr("container", "ls", "-q").stdout.split():
             engine.remove(name)
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process, 30)
         subprocess.run(["umount", "-R", "-l", str(folder)], capture_output=True, check=False)
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
+from cgpu_km.children import stop_child
+
 REPO = Path(__file__).resolve().parents[2]
 SIMGPU = REPO / "simgpu"
 LIBCGPU = REPO / "libcgpu" / "libcgpu.so"
@@ -53,11 +55,7 @@ def fuse_tree(base: Path, gpus: int) -> Iterator[Path]:
         yield root
     finally:
         subprocess.run(["fusermount", "-u", "-z", str(root)], check=False)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process, 10, signum=None)
 
 
 class SimHost:

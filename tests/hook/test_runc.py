@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.children import stop_child
 from cgpu_km.gpus import simgpu_lib_dir
 from cgpu_km.tree import client as treefs
 
@@ -140,11 +141,7 @@ class Runc:
             subprocess.run([RUNC, "delete", "--force", container_id], capture_output=True,
                            timeout=30, check=False)
         for process in self.foreground:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_child(process, 30, signum=None)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cgpu_km.children import stop_child
 from cgpu_km.daemon.metrics import MetricsServer, SnapshotHolder, serve_metrics
 from cgpu_km.daemon.snapshot import Snapshot
 
@@ -112,12 +113,7 @@ class PrometheusServer:
         return result
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_child(self.process, 10)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from cgpu_km.children import stop_child
 from cgpu_km.daemon.snapshot import read_snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,13 +84,7 @@ class Node:
 
     def close(self) -> None:
         for process in reversed(self.processes):
-            if process.poll() is None:
-                process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_child(process)
 
 
 def _missing() -> str | None:

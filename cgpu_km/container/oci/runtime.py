@@ -27,7 +27,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from cgpu_km.container.oci.spec import (
     with_simgpu,
     with_simgpu_env,
 )
+from cgpu_km.fileio import FileError, read_json_object, replace_file
 
 PROG = "cgpu-container-runtime"
 
@@ -81,30 +81,15 @@ def find_runtime(names: Sequence[str], environ: Mapping[str, str], own: str) -> 
 
 def read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except OSError as error:
-        raise WrapperError(f"cannot read {path}: {error.strerror}") from None
-    except ValueError as error:
-        raise WrapperError(f"{path} is not JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise WrapperError(f"{path} is not a JSON object")
-    return data
+        return read_json_object(path)
+    except FileError as error:
+        raise WrapperError(str(error)) from None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Replace `path` atomically, keeping its mode."""
     try:
-        mode = path.stat().st_mode & 0o7777
-        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(data, handle)
-            os.chmod(temporary, mode)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        replace_file(path, json.dumps(data), path.stat().st_mode & 0o7777)
     except OSError as error:
         raise WrapperError(f"cannot write {path}: {error.strerror}") from None
 
