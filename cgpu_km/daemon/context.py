@@ -29,10 +29,12 @@ class Settings:
     publish_interval: float = 2.0  # snapshot for cgpu-smi and /metrics
     save_interval: float = 5.0  # state file (also written on exit and before a hot update)
     stop_deadline: float = 15.0  # a stop (OOM script, then SIGKILL) is given up after this
+    call_deadline: float = 30.0  # a blocking call (a wedged FUSE mount, a hung NVML) after this
 
     def __post_init__(self) -> None:
         for name in ("period", "slice", "tree_refresh", "full_refresh", "memory_interval",
-                     "reclaim_interval", "publish_interval", "save_interval", "stop_deadline"):
+                     "reclaim_interval", "publish_interval", "save_interval", "stop_deadline",
+                     "call_deadline"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
@@ -69,16 +71,27 @@ class DaemonView:
 
 class Worker:
     """One service's worker thread: its blocking calls run there, one at a time,
-    so a slow call (a hung NVML, a stuck FUSE mount) holds up that service only.
+    so a slow call (a hung NVML, a wedged FUSE mount) holds up that service only.
+
+    A call still running after `deadline` seconds, or when its task is
+    cancelled (the daemon exits), is abandoned: the thread is left to finish
+    on its own, holding the worker, and the caller gets TimeoutError (an
+    OSError, as the services expect of their edges) or the cancellation, so
+    nothing waits on it, least of all opening the gates on the way out.
     With `inline` (tests), calls run through it instead."""
 
-    def __init__(self, inline: Blocking[Any] | None = None, *, threads: int = 1) -> None:
+    def __init__(self, name: str, inline: Blocking[Any] | None = None, *, threads: int = 1,
+                 deadline: float | None = None) -> None:
+        self.name = name
+        self.deadline = deadline
         self._inline = inline
         self._limiter = trio.CapacityLimiter(threads)
 
-    async def __call__(self, fn: Callable[[], T], *, abandon_on_cancel: bool = False) -> T:
+    async def __call__(self, fn: Callable[[], T]) -> T:
         if self._inline is not None:
             result: T = await self._inline(fn)
             return result
-        return await trio.to_thread.run_sync(fn, limiter=self._limiter,
-                                             abandon_on_cancel=abandon_on_cancel)
+        with trio.move_on_after(math.inf if self.deadline is None else self.deadline):
+            return await trio.to_thread.run_sync(fn, limiter=self._limiter,
+                                                 abandon_on_cancel=True)
+        raise TimeoutError(f"the {self.name} worker gave no answer in {self.deadline:g} s")

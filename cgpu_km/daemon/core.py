@@ -68,18 +68,24 @@ class Daemon:
         self.settings = settings or Settings()
         self.notifier = notifier or Notifier({})
         self.state_file = StateFile(state_dir, wall_clock)
-        self.lifecycle = Lifecycle(self.notifier, Worker(blocking), restart=restart,
+
+        def worker(name: str) -> Worker:
+            return Worker(name, blocking, deadline=self.settings.call_deadline)
+
+        self.lifecycle = Lifecycle(self.notifier, worker("lifecycle"), restart=restart,
                                    save_state=self._save_state)
-        self.sync = TreeSync(tree, plane, self.settings, Worker(blocking),
+        self.sync = TreeSync(tree, plane, self.settings, worker("tree"),
                              on_upgrade=self.lifecycle.upgrade)
         self.memory = MemoryService(
-            tree, plane, self.sync, self.settings, worker=Worker(blocking),
-            feed_worker=Worker(blocking), stop_workers=Worker(blocking, threads=STOP_THREADS))
+            tree, plane, self.sync, self.settings, worker=worker("memory"),
+            feed_worker=worker("meminfo"),
+            # Each stop has a deadline of its own (stop_deadline), in its own task.
+            stop_workers=Worker("stop", blocking, threads=STOP_THREADS))
         self.publisher = Publisher(plane, self.sync, self.memory, self.state_file,
-                                   self.settings, Worker(blocking), gpu_info=gpu_info or {},
+                                   self.settings, worker("publish"), gpu_info=gpu_info or {},
                                    publish=publish)
-        self._attach_worker = Worker(blocking)
-        self._reclaim_worker = Worker(blocking)
+        self._attach_worker = worker("attach")
+        self._reclaim_worker = worker("reclaim")
 
     def _save_state(self) -> None:
         self.publisher.save_state()

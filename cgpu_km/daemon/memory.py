@@ -93,8 +93,7 @@ class MemoryService:
     async def _stop(self, key: Key, pid: int) -> None:
         try:
             with trio.move_on_after(self.settings.stop_deadline) as scope:
-                await self.stop_workers(partial(self.plane.stop, key, pid),
-                                        abandon_on_cancel=True)
+                await self.stop_workers(partial(self.plane.stop, key, pid))
             if scope.cancelled_caught:
                 log.warning("stopping pid %d of %s took over %.0f s", pid, key[1],
                             self.settings.stop_deadline)

@@ -23,9 +23,12 @@ async def serve_attach(plane: Plane, view: DaemonView, settings: Settings, worke
     while True:
         deadline += settings.period
         await trio.sleep_until(deadline)
-        missing: set[str] = await worker(plane.missing)
-        if view.nodes and missing:
-            await worker(partial(plane.attach, view.listed()))
+        try:
+            missing: set[str] = await worker(plane.missing)
+            if view.nodes and missing:
+                await worker(partial(plane.attach, view.listed()))
+        except OSError as error:
+            log.warning("cannot attach new regions: %s", error)
 
 
 async def serve_reclaim(plane: Plane, settings: Settings, worker: Worker, *,

@@ -22,6 +22,12 @@ from cgpu_km.daemon.sched import GpuConfig
 from cgpu_km.tree.client import ContainerView, GpuView
 
 
+def answering_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass
 class MemoryTree:
     """A control tree in memory: edit `gpus` directly, as an operator's `echo` would."""
@@ -29,6 +35,8 @@ class MemoryTree:
     gpus: list[GpuView] = field(default_factory=list)
     upgrade: int = 0
     fail: bool = False  # reads raise OSError (tree unmounted)
+    # Cleared by `wedge`: every read and write blocks (a wedged FUSE mount).
+    answering: threading.Event = field(default_factory=answering_event)
     meminfo_writes: list[tuple[int, str, dict[int, int]]] = field(default_factory=list)
     reads: int = 0
 
@@ -44,7 +52,14 @@ class MemoryTree:
         self.gpus[gpu].containers[name] = view
         return view
 
+    def wedge(self, wedged: bool = True) -> None:
+        if wedged:
+            self.answering.clear()
+        else:
+            self.answering.set()
+
     def _check(self) -> None:
+        self.answering.wait(timeout=10)  # a daemon that waits for it fails, not hangs
         if self.fail:
             raise OSError(107, "Transport endpoint is not connected")
 

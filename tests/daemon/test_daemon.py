@@ -53,13 +53,13 @@ async def direct(fn: Callable[[], T]) -> T:
 
 
 def make_daemon(tree: MemoryTree, plane: FakePlane, tmp_path: Path, *, inline: bool = True,
-                **kw: Any) -> tuple[Daemon, RecordingNotifier]:
+                settings: Settings | None = None, **kw: Any) -> tuple[Daemon, RecordingNotifier]:
     notifier = RecordingNotifier()
     daemon = Daemon(
         tree, plane, state_dir=tmp_path, notifier=notifier,
         blocking=direct if inline else None,
-        settings=Settings(period=PERIOD, tree_refresh=0.5, memory_interval=0.1,
-                          publish_interval=0.5),
+        settings=settings or Settings(period=PERIOD, tree_refresh=0.5, memory_interval=0.1,
+                                      publish_interval=0.5),
         wall_clock=trio.current_time if inline else time.time, **kw,
     )
     return daemon, notifier
@@ -329,6 +329,40 @@ async def test_a_slow_stop_holds_up_nothing_else(tmp_path: Path) -> None:
             await trio.sleep(3.0)
             assert plane.stopped == [((0, "a"), 10)], "stopped once, not again meanwhile"
             nursery.cancel_scope.cancel()
+
+
+async def test_a_wedged_tree_holds_up_nothing_else_nor_the_exit(tmp_path: Path) -> None:
+    """Real threads, real time: the control tree stops answering (a wedged FUSE
+    mount). Its calls are abandoned after the call deadline; meanwhile the backstop
+    stops a process over its limit and snapshots are published; on exit the gates
+    open at once, whatever the tree's thread is doing."""
+    tree, plane = two_containers(policy=1), FakePlane()
+    tree.gpus[0].containers["a"].memsize = 1000
+    published: list[float] = []
+    settings = Settings(period=0.05, memory_interval=0.1, publish_interval=0.1,
+                        call_deadline=0.5)
+    daemon, notifier = make_daemon(tree, plane, tmp_path, inline=False, settings=settings,
+                                   publish=lambda snapshot: published.append(snapshot.timestamp))
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(daemon.run)
+                tree.wedge()
+                tree.gpus[0].policy = 4  # the daemon cannot see it, and must not wait for it
+                await trio.sleep(1.0)
+                plane.memory_by[0, "a"] = {10: 900, 11: 200}
+                before = len(published)
+                await trio.sleep(1.0)
+                assert plane.stopped == [((0, "a"), 10)]
+                assert len(published) >= before + 5
+                assert plane.configs[0].policy is Policy.PREEMPTIVE
+                exiting = trio.current_time()
+                nursery.cancel_scope.cancel()
+        assert trio.current_time() - exiting < 0.5
+        assert plane.closed, "every gate opens on the way out"
+        assert "STOPPING=1" in notifier.sent
+    finally:
+        tree.wedge(False)
 
 
 async def test_signals_hup_reloads_and_term_fails_open(tmp_path: Path) -> None:
