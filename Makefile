@@ -9,9 +9,9 @@ PY := $(VENV)/bin/python
 # iptables, tini), podman (without recommends: no fuse3, which would replace fuse);
 # python3-venv for the dev venv and cgpu-node's prefix; libc6-dev: gcc without its
 # recommends has no C headers, procps: /bin/kill for the units (both found in a fresh
-# debootstrap root).
+# debootstrap root); curl: the metrics page's commands, which tests/docs runs.
 APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd kmod util-linux gcc libc6-dev make \
-	procps python3 python3-venv docker.io containerd podman iptables
+	procps python3 python3-venv docker.io containerd podman iptables curl
 
 C_DIRS := simgpu libcgpu
 

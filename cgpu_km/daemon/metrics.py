@@ -7,7 +7,7 @@ HTTP server (`serve_metrics`) runs in its own thread.
 Names follow the Prometheus conventions: one `cgpu_` prefix, base units
 (`_bytes`, `_seconds`, `_ratio` from 0 to 1), `_total` for counters, and
 the labels `gpu`, `uuid`, `container`, never a PID. `METRICS` lists every
-family; the README's table is written from it.
+family; docs/operator/metrics.md's table is written from it.
 """
 
 from __future__ import annotations

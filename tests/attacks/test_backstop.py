@@ -164,7 +164,7 @@ def test_moving_the_mounts_away_only_bypasses_libcgpu_and_the_backstop_stops_it(
     own, not mount points) and runs with an empty CGPU_REGION: libcgpu finds no region, or
     is not loaded at all. Like any process that bypasses libcgpu (a static binary, its own
     loader), it is then counted from NVML and stopped by the backstop: memory holds; compute
-    sharing with such a process is cooperative (README, Security model)."""
+    sharing with such a process is cooperative (docs/operator/security.md)."""
     node.start_daemon()
     container = node.container(cgpu_mem(256), user=0)
     assert container.sh(f"{move} && echo moved").strip() == "moved"
