@@ -28,7 +28,8 @@ DISPATCH_SWITCH_INTERVAL = 0.0002  # seconds, sys.setswitchinterval
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="cgpu-daemon",
-        description="the host daemon that turns the control tree into GPU slices")
+        description="cgpu-daemon: the host daemon (trio) that turns the control tree into GPU "
+        "slices.")
     parser.add_argument("--root", help="control tree (default: $CGPU_KM_ROOT, /proc/cgpu_km "
                         "if present, else /run/cgpu_km)")
     parser.add_argument("--state-dir", help="where the state file and the snapshot live "

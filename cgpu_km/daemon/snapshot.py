@@ -1,6 +1,6 @@
 """The daemon's published state: an immutable snapshot, its JSON form and its file.
 
-Every scheduling period the daemon builds one `Snapshot` (per-GPU and
+Every publish interval (2 s) the daemon builds one `Snapshot` (per-GPU and
 per-container figures, its own build and timing), swaps it into the
 metrics collector and writes it to `<state dir>/snapshot.json`, where
 `cgpu-smi` reads it. Readers never see the scheduler's live state, only
