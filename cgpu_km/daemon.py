@@ -596,6 +596,10 @@ class Daemon:
         if os.environ.get(UPGRADED_ENV) != "1":
             return
         os.environ.pop(UPGRADED_ENV, None)
+        # systemd's watchdog timer ran on through the exec (same PID, no new start):
+        # ping now, not one interval from now, or the exec's time makes it fire.
+        if watchdog_interval() is not None:
+            self.notifier.watchdog()
         try:
             await self._run("tree", self.tree.finish_upgrade)
             log.info("hot update done")
@@ -610,6 +614,8 @@ class Daemon:
         self.notifier.reloading(time.monotonic_ns() // 1000)
         self.save_state()
         os.environ[UPGRADED_ENV] = "1"
+        if watchdog_interval() is not None:
+            self.notifier.watchdog()  # the exec's time starts from a fresh ping
         self.restart()
 
     # -- the whole -----------------------------------------------------------

@@ -660,6 +660,11 @@ def upgrade(node: Node, events: Events) -> None:
                and after.get("ActiveState") == "active",
                f"MainPID {before.get('MainPID')} -> {after.get('MainPID')}, "
                f"NRestarts {after.get('NRestarts')}, {after.get('ActiveState')}")
+    # The watchdog timer runs on through the exec: the new process must ping at once.
+    ping = int(after.get("WatchdogTimestampMonotonic", "0")) / 1e6
+    node.check("upgrade: the new process pinged the watchdog as it came up",
+               -0.5 <= done - ping <= 1.5, f"last ping {done - ping:.2f} s before upgrade "
+               f"read 0, {done - events.times['upgrade']:.1f} s after the echo")
     if node.container is None:
         raise Abort("no container to check the limits with")
     node.check("upgrade: the container's limit in the tree is kept",
