@@ -474,7 +474,7 @@ def shares(node: Node) -> None:
     """Two jobs of weights 1 and 2 under policy 1, then 2 (echo), then weight 1 -> 4."""
     phase("shares: two sharework jobs, policy 1 -> 2 -> weight 4")
     before = node.daemon()
-    seconds, step = 12.0, 4.0
+    seconds, step = 15.0, 5.0  # 4 s windows after 1 s to settle
     a = sharework(node, "job-a", seconds, "--weight", "1")
     b = sharework(node, "job-b", seconds, "--weight", "2")
     t0 = start_together([a, b])
