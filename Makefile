@@ -41,8 +41,9 @@ demo: setup
 	$(PY) -m cgpu_km.demo
 
 lint: venv
-	$(VENV)/bin/ruff check cgpu_km fuse_fs tests
+	$(VENV)/bin/ruff check cgpu_km fuse_fs tests kmod/vm
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy kmod/vm/node/checks.py
 
 test-python: setup
 	$(VENV)/bin/pytest -q tests

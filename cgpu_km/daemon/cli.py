@@ -61,7 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def probe_gpus(args: argparse.Namespace) -> int:
-    """`--count-gpus` / `--module-params`: what the service units need from NVML."""
+    """`--count-gpus` / `--module-params`: what the service units need from NVML.
+    No GPU, or no answer from NVML, is an error (one line, status 1): the units
+    must not start on a guess."""
     from cgpu_km.gpus import GpuError, discover_gpus
 
     try:
@@ -69,11 +71,15 @@ def probe_gpus(args: argparse.Namespace) -> int:
     except GpuError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
         return 1
+    if not found:
+        # A tree of one made-up GPU would be served as if it were real.
+        print("cgpu-daemon: NVML reports no GPUs", file=sys.stderr)
+        return 1
     if args.count_gpus:
-        print(max(1, len(found)))
+        print(len(found))
     else:
         sizes = ",".join(str(g.memory_total) for g in found)
-        print(f"gpus={max(1, len(found))}" + (f" gpu_mem={sizes}" if sizes else ""))
+        print(f"gpus={len(found)} gpu_mem={sizes}")
     return 0
 
 

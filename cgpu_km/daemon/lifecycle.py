@@ -19,7 +19,7 @@ import trio
 
 from cgpu_km.daemon.context import Worker
 from cgpu_km.daemon.edges import Plane, Tree
-from cgpu_km.daemon.sdnotify import Notifier
+from cgpu_km.daemon.sdnotify import Notifier, watchdog_interval
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -50,6 +50,10 @@ class Lifecycle:
         """After a hot update's re-execution: write 0 to `upgrade`."""
         if os.environ.pop(UPGRADED_ENV, None) != "1":
             return
+        # systemd's watchdog timer ran on through the exec (same PID, no new start):
+        # ping now, not one interval from now, or the exec's time makes it fire.
+        if watchdog_interval() is not None:
+            self.notifier.watchdog()
         try:
             await self.worker(tree.finish_upgrade)
             log.info("hot update done")
@@ -65,6 +69,8 @@ class Lifecycle:
         self.notifier.reloading(time.monotonic_ns() // 1000)
         self.save_state()
         os.environ[UPGRADED_ENV] = "1"
+        if watchdog_interval() is not None:
+            self.notifier.watchdog()  # the exec's time starts from a fresh ping
         self.restart()
 
     async def reload(self, read_all: Callable[[], Awaitable[None]], status: Callable[[], str]

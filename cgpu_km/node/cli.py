@@ -2,6 +2,7 @@
 
     cgpu-node install [--docker-default] [--nvidia-name] [--engines docker,containerd,podman]
                       [--tree-root DIR] [--simulate auto|on|off] [--no-services] [--no-build]
+                      [--wheel CGPU_KM.whl]
     cgpu-node uninstall
     cgpu-node status
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="install the systemd units but do not enable them")
     add.add_argument("--no-build", action="store_true",
                      help="do not build the prefix (use it, or this environment, as it is)")
+    add.add_argument("--wheel", type=Path, default=None,
+                     help="install cgpu_km from this wheel (`pip wheel --no-deps .`) instead "
+                          "of building one here")
     commands.add_parser("uninstall", parents=[layout], help="undo the install")
     commands.add_parser("status", parents=[layout], help="print the install record")
     return parser
@@ -88,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "install":
+            if args.wheel is not None and args.no_build:
+                raise InstallError("--wheel builds the prefix: it cannot go with --no-build")
             bad = [pair for pair in args.hook_env if "=" not in pair]
             if bad:
                 raise InstallError(f"--hook-env {bad[0]!r}: expected KEY=VALUE")
@@ -100,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 simgpu_state=args.simgpu_state, simgpu_devices=args.simgpu_devices,
                 hook_env=tuple(args.hook_env), services=not args.no_services,
                 build=not args.no_build, python=args.python or default_python(),
-                docker_pidfile=args.docker_pidfile)
+                docker_pidfile=args.docker_pidfile, wheel=args.wheel)
             install(layout, options, say)
         elif args.command == "uninstall":
             uninstall(args.state_dir, say)

@@ -1,7 +1,9 @@
 """The steps of `cgpu-node install` and `cgpu-node uninstall`.
 
 install (each step recorded in cgpu_km.node.record):
-  1. the prefix (cgpu_km.node.prefix), built from this checkout;
+  1. the prefix (cgpu_km.node.prefix), built from this checkout (cgpu_km
+     from a wheel built beforehand with --wheel), on an interpreter that the
+     hardened units can execute (not under /root, /home or /run/user);
   2. the programs linked into the bin folder (/usr/local/bin);
   3. the wrapper's configuration (/etc/cgpu_km/runtime.toml);
   4. docker: the runtime `cgpu` in daemon.json (optionally the default, or
@@ -39,7 +41,7 @@ from cgpu_km.container.oci.settings import (
 from cgpu_km.container.oci.spec import HookCall, SimGpu
 from cgpu_km.node import containerdconf, dockerconf, podmanhooks
 from cgpu_km.node.edits import Doc, Edit, undo
-from cgpu_km.node.prefix import PrefixError, build_prefix, checkout
+from cgpu_km.node.prefix import PrefixError, build_prefix, checkout, hidden_from_units
 from cgpu_km.node.record import Record
 
 PROGRAMS = ("cgpu-hook", "cgpu-container-runtime", "cgpu-daemon", "cgpu-fuse", "cgpu-smi",
@@ -106,6 +108,7 @@ class Options:
     build: bool = True
     python: str = sys.executable
     docker_pidfile: Path = Path("/var/run/docker.pid")
+    wheel: Path | None = None  # cgpu_km's wheel, built beforehand (else built here)
 
 
 # --- pure parts ---------------------------------------------------------------
@@ -236,7 +239,7 @@ def step_prefix(layout: Layout, options: Options, record: Record, say: Say) -> P
                            "(remove it, or pass --no-build to use it as it is)")
     record.make_dirs(layout.prefix.parent)
     try:
-        build_prefix(layout.prefix, options.python)
+        build_prefix(layout.prefix, options.python, options.wheel)
     except PrefixError as error:
         raise InstallError(str(error)) from None
     record.notes["prefix_created"] = True
@@ -267,6 +270,28 @@ def write_doc(record: Record, path: Path, text: str, edits: list[Edit]) -> None:
     record.save()
 
 
+def unit_programs(layout: Layout, options: Options) -> list[Path]:
+    """What the units will execute: the links' folder, the programs and their interpreter."""
+    if options.build and not running_from(layout.prefix):
+        return [layout.bin_dir, layout.prefix, Path(options.python)]
+    return [layout.bin_dir, Path(sys.executable).parent, Path(sys.executable)]
+
+
+def check_units_can_run(layout: Layout, options: Options, say: Say) -> None:
+    """The units have ProtectHome=yes: a program or interpreter under /root, /home or
+    /run/user fails them with 203/EXEC. Refused when they are to be started, else said."""
+    for path in unit_programs(layout, options):
+        folder = hidden_from_units(path)
+        if folder is None:
+            continue
+        why = (f"{path} is under {folder}, which the units' ProtectHome=yes hides from the "
+               "services (they would fail with 203/EXEC)")
+        if options.services and systemd_running():
+            raise InstallError(f"{why}: install with --prefix, --bin-dir and --python "
+                               "outside /root, /home and /run/user")
+        say(f"warning: {why}")
+
+
 def install(layout: Layout, options: Options, say: Say) -> None:
     """Install (or install again) on this node."""
     bad = [e for e in options.engines if e not in ENGINES]
@@ -275,6 +300,7 @@ def install(layout: Layout, options: Options, say: Say) -> None:
     if options.build and not running_from(layout.prefix) and checkout() is None:
         raise InstallError("not running from a source checkout or an installed prefix: "
                            "pass --no-build")
+    check_units_can_run(layout, options, say)
     previous = Record.load(layout.state_dir)
     plan = plan_engines(layout, options, previous)
     record = previous or Record(layout.state_dir)

@@ -1,7 +1,8 @@
 """The self-contained prefix that a node runs cgpu_km from (default /opt/cgpu_km).
 
-    venv/       cgpu_km and its dependencies, on an interpreter outside /root and
-                /home (systemd's ProtectHome hides those), e.g. /usr/bin/python3
+    venv/       cgpu_km and its dependencies, on an interpreter outside /root,
+                /home and /run/user (the units' ProtectHome=yes hides those; install
+                refuses them), e.g. /usr/bin/python3
     lib/        libcgpu.so
     simgpu/     libcuda.so.1, libnvidia-ml.so.1, nvidia-smi, cuworkload
     systemd/    the service units
@@ -10,7 +11,8 @@
 It is built from a source checkout without the network: the venv gets the
 dependencies copied from the environment this program runs in (the same
 Python version: their installed files, as listed in their RECORD) and
-cgpu_km itself as a wheel built from the checkout (pip, no index). The
+cgpu_km itself as a wheel built from the checkout (pip, no index), or one
+given with `--wheel`. The
 prefix is built beside the target and swapped in by a rename.
 """
 
@@ -107,8 +109,43 @@ def python_version(python: str) -> str:
     return result.stdout.strip()
 
 
-def build_venv(venv: Path, python: str, source: Path, scratch: Path) -> None:
-    """A venv at `venv` (final path) with cgpu_km and its dependencies."""
+def check_wheel(wheel: Path) -> None:
+    """A wheel of cgpu_km given with `--wheel`, checked before anything is written."""
+    if not wheel.name.startswith(f"{PACKAGE}-") or wheel.suffix != ".whl":
+        raise PrefixError(f"{wheel}: not a {PACKAGE} wheel ({PACKAGE}-*.whl)")
+    if not wheel.is_file():
+        raise PrefixError(f"{wheel}: no such file")
+
+
+# What the wheel is built from (pyproject.toml names the README).
+WHEEL_SOURCES = ("pyproject.toml", "README.md", PACKAGE, "fuse_fs")
+
+
+def build_wheel(source: Path, scratch: Path) -> Path:
+    """A wheel of cgpu_km built from a copy of the checkout's sources in `scratch`
+    (pip, no index): the build writes nothing into the checkout, which may be
+    read-only."""
+    copy = scratch / "source"
+    copy.mkdir(parents=True)
+    for name in WHEEL_SOURCES:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, copy / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(source / name, copy / name)
+    wheels = scratch / "wheels"
+    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--wheel-dir", str(wheels), str(copy)], "building the cgpu_km wheel")
+    built = sorted(wheels.glob("cgpu_km-*.whl"))
+    if not built:
+        raise PrefixError("building the cgpu_km wheel made no wheel")
+    return built[-1]
+
+
+def build_venv(venv: Path, python: str, source: Path, scratch: Path,
+               wheel: Path | None = None) -> None:
+    """A venv at `venv` (final path) with cgpu_km (from `wheel`, else built from
+    the checkout) and its dependencies."""
     ours = f"{sys.version_info[0]}.{sys.version_info[1]}"
     theirs = python_version(python)
     if theirs != ours:
@@ -123,15 +160,10 @@ def build_venv(venv: Path, python: str, source: Path, scratch: Path) -> None:
     site = Path(found.stdout.strip())
     for dist in dependency_closure(PACKAGE):
         copy_distribution(dist, site)
-    wheels = scratch / "wheels"
-    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--wheel-dir", str(wheels), str(source)], "building the cgpu_km wheel")
-    built = sorted(wheels.glob("cgpu_km-*.whl"))
-    if not built:
-        raise PrefixError("building the cgpu_km wheel made no wheel")
+    if wheel is None:
+        wheel = build_wheel(source, scratch)
     run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-         "--quiet", "--no-deps", "--no-index", str(built[-1])], "installing cgpu_km")
-    shutil.rmtree(source / "build", ignore_errors=True)
+         "--quiet", "--no-deps", "--no-index", str(wheel)], "installing cgpu_km")
 
 
 def copy_payload(target: Path, source: Path) -> None:
@@ -151,11 +183,14 @@ def copy_payload(target: Path, source: Path) -> None:
     (target / "VERSION").write_text(metadata.version(PACKAGE) + "\n")
 
 
-def build_prefix(prefix: Path, python: str) -> None:
-    """Build the prefix from this checkout beside `prefix`, then swap it in."""
+def build_prefix(prefix: Path, python: str, wheel: Path | None = None) -> None:
+    """Build the prefix from this checkout beside `prefix`, then swap it in; cgpu_km
+    from `wheel` when given (a wheel built beforehand: no build on this node)."""
     source = checkout()
     if source is None:
         raise PrefixError("not running from a source checkout: nothing to install from")
+    if wheel is not None:
+        check_wheel(wheel)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     new = prefix.with_name(prefix.name + ".new")
     old = prefix.with_name(prefix.name + ".old")
@@ -169,7 +204,7 @@ def build_prefix(prefix: Path, python: str) -> None:
             if prefix.exists():
                 prefix.rename(old)
             new.rename(prefix)
-            build_venv(prefix / "venv", python, source, Path(scratch))
+            build_venv(prefix / "venv", python, source, Path(scratch), wheel)
         except BaseException:
             shutil.rmtree(prefix if not new.exists() else new, ignore_errors=True)
             if old.exists():
@@ -177,6 +212,20 @@ def build_prefix(prefix: Path, python: str) -> None:
                 old.rename(prefix)
             raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+# What ProtectHome=yes in the units hides from the services.
+PROTECTED_HOME = (Path("/root"), Path("/home"), Path("/run/user"))
+
+
+def hidden_from_units(path: Path) -> Path | None:
+    """The folder of PROTECTED_HOME that holds `path` (links resolved), or None:
+    a program or interpreter there cannot be executed by the units (203/EXEC)."""
+    resolved = path.resolve()
+    for folder in PROTECTED_HOME:
+        if resolved == folder or folder in resolved.parents:
+            return folder
+    return None
 
 
 def default_python() -> str:

@@ -262,6 +262,34 @@ async def test_upgrade_saves_state_reexecs_and_the_new_daemon_writes_zero(
         nursery.cancel_scope.cancel()
 
 
+async def test_upgrade_pings_the_watchdog_around_the_exec(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd's watchdog timer runs on through a hot update (same PID): the old
+    daemon pings before it re-executes, the new one before its first interval
+    (found by kmod/vm/node: a 3.5 s exec plus a 5 s interval missed a 10 s
+    WatchdogSec)."""
+    monkeypatch.setenv("WATCHDOG_USEC", "10000000")  # pings every 5 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.delenv(UPGRADED_ENV, raising=False)
+    tree, plane = two_containers(policy=2), FakePlane()
+    restarted = trio.Event()
+    first, notifier = make_daemon(tree, plane, tmp_path, restart=restarted.set)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        await trio.sleep(1)
+        tree.upgrade = 1
+        await restarted.wait()
+        nursery.cancel_scope.cancel()
+    assert notifier.sent[-1] == "WATCHDOG=1"  # the last word before the exec
+    assert notifier.sent.count("WATCHDOG=1") == 1
+    second, again = make_daemon(tree, plane, tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(second.run)
+        assert again.sent.index("WATCHDOG=1") < again.sent.index("READY=1")
+        nursery.cancel_scope.cancel()
+
+
 async def test_waits_for_the_tree_then_starts(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:

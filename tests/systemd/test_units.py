@@ -76,6 +76,26 @@ def test_daemon_unit_keeps_what_the_daemon_needs() -> None:
     assert "ProtectProc" not in settings
     assert "char-nvidia-frontend rw" in text
     assert "RuntimeDirectoryPreserve=yes" in text
+    # These give the service a procfs instance of its own (systemd 252), whose
+    # /proc/cgpu_km sees no inotify events for writes made through the host's /proc.
+    assert "ProtectKernelTunables" not in settings
+    assert "ProtectControlGroups" not in settings
+    assert "ReadOnlyPaths=/sys -/proc/sys " in text
+
+
+# Settings that give a service a mount namespace of its own.
+MOUNT_NAMESPACE = ("PrivateTmp", "PrivateDevices", "PrivateMounts", "ProtectSystem",
+                   "ProtectHome", "ProtectKernelModules", "ProtectKernelLogs",
+                   "ProtectKernelTunables", "ProtectControlGroups", "ProtectProc", "ProcSubset",
+                   "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "BindPaths",
+                   "TemporaryFileSystem")
+
+
+def test_fuse_unit_mounts_in_the_hosts_namespace() -> None:
+    """A FUSE mount made in a service's own mount namespace never reaches the host."""
+    text = (REPO / "systemd" / "cgpu-fuse.service").read_text()
+    keys = {line.split("=", 1)[0] for line in text.splitlines() if "=" in line and line[:1] != "#"}
+    assert keys.isdisjoint(MOUNT_NAMESPACE), keys & set(MOUNT_NAMESPACE)
 
 
 def receive(sock: socket.socket) -> str:
