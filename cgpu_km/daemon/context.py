@@ -69,6 +69,30 @@ class DaemonView:
         return {g: set(nodes.containers) for g, nodes in self.nodes.items()}
 
 
+class Ticks:
+    """`async for _ in Ticks(interval)`: every `interval` seconds on a fixed
+    schedule, so a slow round shortens the wait after it and the service does
+    not drift; with `at_once` the first comes at once. (A class, not an async
+    generator: a loop left by `break` or cancellation has nothing to close.)"""
+
+    def __init__(self, interval: float, *, at_once: bool = False) -> None:
+        self.interval = interval
+        self._at_once = at_once
+        self._deadline: float | None = None
+
+    def __aiter__(self) -> Ticks:
+        return self
+
+    async def __anext__(self) -> None:
+        if self._deadline is None:
+            self._deadline = trio.current_time()
+            if self._at_once:
+                await trio.lowlevel.checkpoint()
+                return
+        self._deadline += self.interval
+        await trio.sleep_until(self._deadline)
+
+
 class Worker:
     """One service's worker thread: its blocking calls run there, one at a time,
     so a slow call (a hung NVML, a wedged FUSE mount) holds up that service only.

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import trio
 
-from cgpu_km.daemon.context import Worker
+from cgpu_km.daemon.context import Ticks, Worker
 from cgpu_km.daemon.edges import Plane, Tree
 from cgpu_km.daemon.sdnotify import Notifier, watchdog_interval
 
@@ -38,10 +38,7 @@ class Lifecycle:
         self.upgrading = False
 
     async def serve_watchdog(self, plane: Plane, interval: float) -> None:
-        deadline = trio.current_time()
-        while True:
-            deadline += interval
-            await trio.sleep_until(deadline)
+        async for _ in Ticks(interval):
             # Ping only while the dispatchers step: a stuck daemon gets restarted.
             if plane.ticking(within=max(interval * 2, 2.0)):
                 self.notifier.watchdog()

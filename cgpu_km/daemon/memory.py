@@ -10,7 +10,7 @@ from functools import partial
 import trio
 
 from cgpu_km.daemon.backstop import Grandfather, MemoryView, over_limit
-from cgpu_km.daemon.context import Settings, Worker
+from cgpu_km.daemon.context import Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane, Tree
 from cgpu_km.daemon.treesync import TreeSync
 
@@ -39,18 +39,15 @@ class MemoryService:
                     ) -> None:
         async with trio.open_nursery() as stops:
             task_status.started()
-            deadline = trio.current_time()
-            while True:
+            async for _ in Ticks(self.settings.memory_interval, at_once=True):
                 try:
                     memory = await self.worker(self.plane.memory)
                 except OSError as error:
                     log.warning("cannot read GPU memory: %s", error)
-                else:
-                    self.memory = memory
-                    self._backstop(memory, stops)
-                    await self._feed_meminfo(memory)
-                deadline += self.settings.memory_interval
-                await trio.sleep_until(deadline)
+                    continue
+                self.memory = memory
+                self._backstop(memory, stops)
+                await self._feed_meminfo(memory)
 
     async def _feed_meminfo(self, memory: MemoryView) -> None:
         specs = self.sync.view.specs

@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from cgpu_km.daemon import snapshot as snap
-from cgpu_km.daemon.context import Settings, Worker
+from cgpu_km.daemon.context import Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane
 from cgpu_km.daemon.memory import MemoryService
 from cgpu_km.daemon.treesync import TreeSync
@@ -103,16 +103,13 @@ class Publisher:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
         task_status.started()
-        deadline = trio.current_time()
-        next_save = deadline + self.settings.publish_interval  # soon after start
-        while True:
+        next_save = trio.current_time() + self.settings.publish_interval  # soon after start
+        async for _ in Ticks(self.settings.publish_interval, at_once=True):
             if self.publish is not None:
                 try:
                     await self.worker(partial(self.publish, self.snapshot()))
                 except OSError as error:
                     log.warning("cannot publish the snapshot: %s", error)
-            deadline += self.settings.publish_interval
-            await trio.sleep_until(deadline)
             if trio.current_time() >= next_save:
                 next_save += self.settings.save_interval
                 try:

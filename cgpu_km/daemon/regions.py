@@ -8,7 +8,7 @@ from functools import partial
 
 import trio
 
-from cgpu_km.daemon.context import DaemonView, Settings, Worker
+from cgpu_km.daemon.context import DaemonView, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Plane
 
 log = logging.getLogger("cgpu-daemon")
@@ -19,10 +19,7 @@ async def serve_attach(plane: Plane, view: DaemonView, settings: Settings, worke
     """Every period: attach the regions of listed containers that had none
     (the hook and cgpu-run register before they create the region)."""
     task_status.started()
-    deadline = trio.current_time()
-    while True:
-        deadline += settings.period
-        await trio.sleep_until(deadline)
+    async for _ in Ticks(settings.period):
         try:
             missing: set[str] = await worker(plane.missing)
             if view.nodes and missing:
@@ -35,10 +32,7 @@ async def serve_reclaim(plane: Plane, settings: Settings, worker: Worker, *,
                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Every reclaim interval: free the slots of processes that are gone."""
     task_status.started()
-    deadline = trio.current_time()
-    while True:
-        deadline += settings.reclaim_interval
-        await trio.sleep_until(deadline)
+    async for _ in Ticks(settings.reclaim_interval):
         try:
             await worker(plane.reclaim)
         except OSError as error:

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from cgpu_km.daemon.context import DaemonView, Settings, Worker
+from cgpu_km.daemon.context import DaemonView, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane, QuickView, Tree, Watcher
 from cgpu_km.daemon.sched import ContainerSpec
 
@@ -86,15 +86,12 @@ class TreeSync:
                 self.watcher = None
 
     async def _first_read(self) -> None:
-        deadline = trio.current_time()
-        while True:
+        async for _ in Ticks(self.settings.period, at_once=True):
             try:
                 await self.read_all()
                 break
             except OSError as error:
                 self._note_error(error)
-            deadline += self.settings.period
-            await trio.sleep_until(deadline)
         self._note_ok()
 
     async def _serve_polls(self) -> None:
@@ -102,10 +99,7 @@ class TreeSync:
         poll = self.settings.tree_refresh if watching else self.settings.period
         full = self.settings.full_refresh if watching else self.settings.tree_refresh
         next_full = trio.current_time() + full
-        deadline = trio.current_time()
-        while True:
-            deadline += poll
-            await trio.sleep_until(deadline)
+        async for _ in Ticks(poll):
             try:
                 if trio.current_time() >= next_full:
                     next_full += full
