@@ -28,7 +28,11 @@ def test_it_counts_what_the_gpu_can_complete(sim: SimHost) -> None:
     assert 1440 <= got.kernels <= 1500
     assert len(got.per_proc) == 3
     assert all(n >= 400 for n in got.per_proc)
-    assert max(got.buckets) <= 11  # 10 ms buckets of 1 ms kernels
+    # Never two kernels at once. A completion is stamped when its process sees it, so a
+    # process the host kept off the CPU for a few ms can push one bucket past 10: judge
+    # the engine over 100 ms windows, where running in parallel would show as ~300.
+    windows = [sum(got.buckets[i:i + 10]) for i in range(len(got.buckets) - 9)]
+    assert max(windows) <= 102
     assert count(got, got.t0 + 0.5, got.t0 + 1.5) in range(970, 1001)
 
 
