@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import trio
 
 from cgpu_km.daemon.edges import GpuNodes, Key
-from cgpu_km.daemon.sched import ContainerSpec, GpuConfig
+from cgpu_km.daemon.sched import QUANTUM, ContainerSpec, GpuConfig
 
 T = TypeVar("T")
 Blocking = Callable[[Callable[[], T]], Awaitable[T]]
@@ -21,7 +21,7 @@ class Settings:
     """Timing knobs (seconds)."""
 
     period: float = 0.1  # tree polls without inotify, and the look for new regions
-    slice: float = 0.02  # the scheduling quantum: one container's turn on a GPU (about)
+    slice: float = QUANTUM  # the scheduling quantum: one container's turn on a GPU (about)
     tree_refresh: float = 5.0  # poll of the GPU nodes while inotify watches the tree
     full_refresh: float = 30.0  # every container's nodes, in case a change was missed
     memory_interval: float = 0.5

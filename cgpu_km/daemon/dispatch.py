@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
 
-from cgpu_km.daemon.sched import GpuConfig, Observation, SliceDecision, SliceScheduler
+from cgpu_km.daemon.sched import (
+    QUANTUM,
+    GpuConfig,
+    Observation,
+    SliceDecision,
+    SliceScheduler,
+)
 from cgpu_km.dataplane import futex
 from cgpu_km.dataplane.region import Region
 
@@ -36,6 +42,10 @@ HEARTBEAT_NS = 500_000_000  # gates fail open when the heartbeat is 2 s old
 RING_LIMIT = 200  # rings a second a container may wake the dispatcher with ...
 MUTE_NS = 50_000_000  # ... before its rings are not waited on for this long
 IDLE_WAKE_NS = 1_000_000_000  # look again at least this often
+# A drain's answer takes a ring or two per process. A holder whose rings woke the
+# dispatcher this often in one drain is looked at every DRAIN_POLL_NS instead.
+DRAIN_WAKES = 64
+DRAIN_POLL_NS = 5_000_000
 
 
 class GpuPort(Protocol):
@@ -50,9 +60,9 @@ class GpuPort(Protocol):
     def heartbeat(self, now_ns: int) -> None:
         """Tell every container that the daemon is alive."""
 
-    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> None:
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> str | None:
         """Sleep until the deadline or until something rings (`quiet`: those
-        whose ring would tell nothing new; the holder's rings are its answers)."""
+        whose ring would tell nothing new); the container whose ring woke it."""
 
     def kick(self) -> None:
         """Wake `wait` now (new configuration, new containers, stop)."""
@@ -76,7 +86,7 @@ class Dispatcher:
     """One GPU's scheduler in a thread of its own; `configure` from any thread."""
 
     def __init__(self, gpu: int, port: GpuPort, config: GpuConfig, *,
-                 quantum: float = 0.02, clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 quantum: float = QUANTUM, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.gpu = gpu
         self.port = port
         self.clock = clock
@@ -141,6 +151,7 @@ class Dispatcher:
     def run(self) -> None:
         """Until `stop`: step, beat, sleep; on the way out every gate opens."""
         next_beat = 0
+        drain_wakes = 0  # by the holder's rings, in the drain under way
         try:
             while not self._stop.is_set():
                 decision = self.step()
@@ -148,14 +159,25 @@ class Dispatcher:
                 if now >= next_beat:
                     self.port.heartbeat(now)
                     next_beat = now + HEARTBEAT_NS
-                wake = decision.wake_at * 1e9 if decision.wake_at != float("inf") else now + \
-                    IDLE_WAKE_NS
-                # A container already seen waiting tells nothing new by ringing (a
-                # hostile one may ring without end); the holder's rings are answers.
+                deadline = min(decision.wake_at * 1e9, next_beat, now + IDLE_WAKE_NS)
+                with self._lock:
+                    late, draining = self._scheduler.late, self._scheduler.draining
+                # Rings that are answers: those of the holder while it drains (until
+                # it has rung too often: then it is polled) and of those cut before
+                # they answered. Anyone else already seen waiting, or holding the
+                # GPU, tells nothing new by ringing (a hostile one may ring without end).
+                answering = set(late)
+                if not draining or decision.holder is None:
+                    drain_wakes = 0
+                elif drain_wakes < DRAIN_WAKES:
+                    answering.add(decision.holder)
+                else:
+                    deadline = min(deadline, now + DRAIN_POLL_NS)
                 quiet = {n for n, seen in self._observed.items()
-                         if seen.waiting and n != decision.holder}
-                self.port.wait(int(min(wake, next_beat, now + IDLE_WAKE_NS)), quiet,
-                               decision.holder)
+                         if (seen.waiting or n == decision.holder) and n not in answering}
+                ringer = self.port.wait(int(deadline), quiet, decision.holder)
+                if draining and ringer is not None and ringer == decision.holder:
+                    drain_wakes += 1
         except BaseException as error:  # logged; the daemon's watchdog notices the silence
             self.error = error
             log.exception("GPU %d: dispatcher failed", self.gpu)
@@ -223,11 +245,11 @@ class RegionPort:
         for region, _k in self.entries().values():
             region.heartbeat(now_ns)
 
-    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> None:
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> str | None:
         """Until the deadline, a kick, or a ring of a container that is not quiet
         and, unless it holds the GPU, has not rung more than RING_LIMIT times in
         the last second (those are looked at when the dispatcher wakes for
-        another reason)."""
+        another reason); the container whose ring woke it."""
         now = time.monotonic_ns()
         words = [(ctypes.addressof(self._kick), self._kick.value, False)]
         names: list[str | None] = [None]
@@ -247,6 +269,7 @@ class RegionPort:
                 rings.popleft()
             if len(rings) > RING_LIMIT:
                 self._muted_until[ringer] = now + MUTE_NS
+        return ringer
 
     def kick(self) -> None:
         self._kick.value = (self._kick.value + 1) & 0xFFFFFFFF

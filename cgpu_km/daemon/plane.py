@@ -30,7 +30,7 @@ from typing import Any
 from cgpu_km.daemon import backstop
 from cgpu_km.daemon.dispatch import Dispatcher, Figures, RegionPort
 from cgpu_km.daemon.registry import Key, Registry
-from cgpu_km.daemon.sched import GpuConfig
+from cgpu_km.daemon.sched import QUANTUM, GpuConfig
 from cgpu_km.dataplane import kernelview
 from cgpu_km.dataplane import region as region_mod
 
@@ -41,7 +41,7 @@ class RegionPlane:
     """Regions, dispatchers, NVML and the kernel's view, behind `daemon_io.Plane`."""
 
     def __init__(self, directory: Path, nvml: backstop.Nvml | None, *,
-                 quantum: float = 0.02, proc: str = kernelview.PROC) -> None:
+                 quantum: float = QUANTUM, proc: str = kernelview.PROC) -> None:
         self.registry = Registry(directory)
         self.nvml = nvml
         self.quantum = quantum
@@ -197,7 +197,7 @@ class RegionPlane:
             os.close(pidfd)
 
 
-def make_plane(region_dir: str | None, *, quantum: float = 0.02) -> RegionPlane:
+def make_plane(region_dir: str | None, *, quantum: float = QUANTUM) -> RegionPlane:
     """The plane for this host: regions plus NVML (simgpu without a driver)."""
     directory = Path(region_dir) if region_dir else region_mod.region_dir()
     nvml: backstop.Nvml | None

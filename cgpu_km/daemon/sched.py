@@ -5,9 +5,11 @@ on the GPU at a time: the scheduler grants a container the GPU (its gate
 opens) for a slice, then ends the slice (its gate closes) and waits until
 the container's processes say that the work they queued before the close
 has finished (their drain answers); only then is the next container
-granted. What a holder is charged is the time from its grant to its last
-drain answer: GPU time measured by the data plane's own markers, whatever
-ran past the slice's end included. The caller (the daemon's dispatcher
+granted. What a holder is charged is the time from its grant until its
+last drain answer is seen: GPU time measured by the data plane's own
+markers, whatever ran past the slice's end and the answer's way back
+included (no time is owed to nobody, so a container cannot make the others
+pay for its switches). The caller (the daemon's dispatcher
 thread, or a simulation in tests) calls `step(now, observations)` whenever
 something may have changed and at the latest at the time the answer names.
 No I/O and no clock here.
@@ -61,6 +63,7 @@ from fractions import Fraction
 from typing import Any
 
 __all__ = [
+    "QUANTUM",
     "Allotment",
     "ContainerSpec",
     "GpuConfig",
@@ -227,7 +230,9 @@ class Observation:
     waiting: bool = False  # some process waits for the GPU (at the gate, or for its own work)
     launches: int = 0  # launches so far (compared between steps)
     answered: bool = True  # every process that launched answered the latest close
-    drained_at: float = 0.0  # the latest of those answers: when its work had finished
+    # The latest of those answers' own drain times: for the log only, never charged
+    # on (a process may date its answer as it likes).
+    drained_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -250,9 +255,15 @@ class _Account:
     used: float = 0.0  # GPU seconds charged so far
     last_launches: int | None = None
     last_active: float = 0.0
+    drain_limit: float = float("inf")  # how long its drain may take before it is cut
 
 
 NEVER = float("inf")
+# The default quantum: the slice of the smallest share. Each switch costs the
+# holder its drain answer's way back, so the shorter the quantum the more that
+# costs (and the more unequal slices skew the ratios); the longer, the more a
+# short window's share swings (`python -m tests.bench --slice 0.01` shows both).
+QUANTUM = 0.02
 MAX_QUANTA = 4.0  # the longest slice, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
 # A holder alone with the whole GPU is looked at this often (a container that
@@ -267,9 +278,9 @@ class SliceScheduler:
         self,
         config: GpuConfig,
         *,
-        quantum: float = 0.02,
+        quantum: float = QUANTUM,
         idle_grace: float = 0.002,
-        drain_timeout: float = 1.0,
+        drain_timeout: float = 0.5,
         burst_quanta: float = 2.0,
     ) -> None:
         for name, value in (("quantum", quantum), ("idle_grace", idle_grace),
@@ -279,6 +290,7 @@ class SliceScheduler:
         self.quantum = quantum
         self.idle_grace = idle_grace
         self.drain_timeout = drain_timeout
+        self._drain_floor = min(drain_timeout, quantum * MAX_QUANTA)
         self.burst_window = quantum * burst_quanta
         self._config = config
         self._accounts: dict[str, _Account] = {n: _Account() for n in config.containers}
@@ -288,10 +300,7 @@ class SliceScheduler:
         self._granted_at = 0.0
         self._slice_end = 0.0
         self._closed_at: float | None = None  # the holder's slice ended: draining
-        # closed, not answered: (charged up to, last seen still not answering)
-        self._late: dict[str, tuple[float, float]] = {}
-        self._missing_at = 0.0  # the holder's drain: last seen still not answered
-        self._free_since: float | None = None  # the GPU free since, during a switch
+        self._late: dict[str, float] = {}  # cut before it answered: charged up to
         self._native_open: frozenset[str] = frozenset()
         self._set_allot()
 
@@ -317,6 +326,7 @@ class SliceScheduler:
         self._accounts = accounts
         self._config = config
         self._active = self._active & frozenset(config.containers)
+        self._late = {n: t for n, t in self._late.items() if n in accounts}
         if self.holder is not None and self.holder not in accounts:
             self.holder, self._closed_at = None, None
         self._set_allot()
@@ -328,6 +338,11 @@ class SliceScheduler:
     def used(self) -> dict[str, float]:
         """GPU seconds charged to each container so far (its measured GPU time)."""
         return {n: a.used for n, a in self._accounts.items()}
+
+    @property
+    def late(self) -> frozenset[str]:
+        """Containers cut before they answered a close: their answers are awaited."""
+        return frozenset(self._late)
 
     @property
     def draining(self) -> bool:
@@ -361,14 +376,10 @@ class SliceScheduler:
                 acc.last_active = now
             acc.last_launches = seen.launches
         self._accrue(dt)
-        for name, (charged_to, missing_at) in list(self._late.items()):
-            seen = observed.get(name, nothing)
-            if not seen.answered and name != self.holder:
-                self._late[name] = (charged_to, now)
-                continue
-            if seen.answered and name != self.holder:
-                self._charge(name, min(now, max(seen.drained_at, missing_at)) - charged_to)
-            del self._late[name]
+        for name, charged_to in list(self._late.items()):
+            if observed.get(name, nothing).answered:
+                self._charge(name, now - charged_to)
+                del self._late[name]
         # Active: waiting now, or launched or waited within a short while (a busy
         # container's processes are not at the gate every instant: between two
         # turns they drain, wake, launch).
@@ -404,7 +415,10 @@ class SliceScheduler:
 
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
         nothing = Observation()
-        waiting = {n for n in self._accounts if observed.get(n, nothing).waiting}
+        # A container cut before it answered still has work of its own on the GPU:
+        # it waits for nothing until it answers.
+        waiting = {n for n in self._accounts
+                   if observed.get(n, nothing).waiting and n not in self._late}
         holder = self.holder
         if holder is not None and self._closed_at is None:
             # Who would take the GPU if the holder gave it up: under the
@@ -435,40 +449,42 @@ class SliceScheduler:
                     wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
                 return self._decision(frozenset({holder}), wake_at)
             # Closed now: the answers in `observed` predate this close.
-            self._closed_at = self._missing_at = now
-            return self._decision(frozenset(), now + self.drain_timeout)
+            self._closed_at = now
+            return self._decision(frozenset(), now + self._drain_limit(holder))
         if holder is not None and self._closed_at is not None:
             seen = observed.get(holder, nothing)
-            if not seen.answered:
-                self._missing_at = now
-                if now - self._closed_at < self.drain_timeout:
-                    return self._decision(frozenset(), self._closed_at + self.drain_timeout)
-            # Charged to the last answer: what it queued ran past the slice's end.
-            # An answer is not taken to be older than the last look that found it
-            # missing: one dated earlier than it came would keep the GPU idle
-            # for the others at no cost to whoever was late.
-            end = min(now, max(self._missing_at, seen.drained_at)) if seen.answered else now
-            self._charge(holder, end - self._granted_at)
-            if not seen.answered:
-                self._late[holder] = (end, end)  # the rest is charged when it answers
-            self.holder, self._closed_at, self._free_since = None, None, end
+            acc = self._accounts[holder]
+            limit = self._drain_limit(holder)
+            if not seen.answered and now < self._closed_at + limit:  # as wake_at is
+                return self._decision(frozenset(), self._closed_at + limit)
+            # Charged until its answer is seen: what it queued ran past the slice's
+            # end, and the time it took to say so kept the GPU from the others. The
+            # drain time the answer names is the processes' own claim: one dated
+            # early would make the others pay for a late answer.
+            self._charge(holder, now - self._granted_at)
+            if seen.answered:
+                acc.drain_limit = min(2 * limit, self.drain_timeout)
+            else:  # cut: charged on until it answers, and not granted before
+                self._late[holder] = now
+                acc.drain_limit = max(limit / 2, self._drain_floor)
+                waiting.discard(holder)
+            self.holder, self._closed_at = None, None
         return self._grant(now, waiting)
 
-    def _settle(self, now: float, waiting: Set[str]) -> None:
+    def _drain_limit(self, name: str) -> float:
+        """How long `name`'s drain may take: `drain_timeout`, halved at each cut
+        (down to a long slice) and doubled back at each answer in time, so that
+        a container that never answers cannot hold the GPU idle a second at a
+        time, again and again."""
+        return min(self._accounts[name].drain_limit, self.drain_timeout)
+
+    def _settle(self, waiting: Set[str]) -> None:
         """Take out of the books what nobody is owed, before a grant.
 
-        The time from the last holder's drain answer to this grant, while a
-        switch was under way, is owed to nobody: what it accrued goes (so no
-        credit grows without bound, and time a container held and paid for
-        stays owed to the others). Under the work-conserving policies time
-        used while nobody else wanted the GPU is lent, not owed: when every
-        waiting container owes time, their common debt goes (keeping their
-        standing relative to their shares)."""
-        if self._free_since is not None:
-            switch = max(0.0, now - self._free_since)
-            for name in self._active:
-                self._accounts[name].credit -= self._rates[name][0] * switch
-            self._free_since = None
+        Under the work-conserving policies time used while nobody else wanted
+        the GPU is lent, not owed: when every waiting container owes time,
+        their common debt goes (keeping their standing relative to their
+        shares)."""
         if not self._config.policy.work_conserving:
             return
         owed = [n for n in waiting if self._rates[n][0] > 0]
@@ -488,15 +504,12 @@ class SliceScheduler:
         return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
 
     def _grant(self, now: float, waiting: Set[str]) -> SliceDecision:
-        if not any(self._eligible(n) for n in waiting):
-            self._free_since = None  # idle because nobody may run: that time is owed
-        self._settle(now, waiting)
+        self._settle(waiting)
         candidates = [n for n in waiting if self._eligible(n)]
         if candidates:
             prio = [n for n in candidates if self._allot[n].preempts]
             pool = prio or candidates
-            # The most owed for its share: time the GPU loses to switches is
-            # then lost in proportion to the shares, and the ratios hold.
+            # The most owed for its share: the furthest behind in wall-clock time.
             chosen = max(pool, key=lambda n: (self._accounts[n].credit / self._rates[n][0], n))
             self.holder = chosen
             self._granted_at, self._slice_end = now, now + self._slice_length(chosen)
@@ -540,7 +553,7 @@ class SliceScheduler:
                     wake_at = min(wake_at, now + max(acc.cap_credit / (1 - cap), self.idle_grace))
                 continue
             if was_open:
-                self._late[name] = (now, now)  # charged on until its drain answer
+                self._late[name] = now  # charged on until its drain answer
             if cap > 0:
                 wake_at = min(wake_at, now + max(-acc.cap_credit / cap, self.idle_grace))
         self._native_open = frozenset(open_)

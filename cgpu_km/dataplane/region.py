@@ -363,8 +363,7 @@ class Region:
         control = _control_layout(container_id, gpus, mode, oom_script, gate_timeout_ns,
                                   gates_open)
         parent = target.parent
-        if not parent.exists():
-            parent.mkdir(mode=0o700, parents=True)
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # jobs start side by side
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
         try:
             os.chmod(staging, 0o700)

@@ -174,7 +174,7 @@ def test_forged_drain_answers_do_not_starve_the_neighbours(forged_run: FuzzRun) 
     assert second >= 0.5 * 2 / 3
     assert second / first == pytest.approx(2.0, rel=0.1)
     # Gates keep opening: a drain answer that never comes holds the GPU for up to the
-    # drain timeout (1 s), charged to the liar; in any 2 s both ran (500 and 1000 due).
+    # drain timeout (0.5 s), charged to the liar; in any 2 s both ran (500 and 1000 due).
     assert run.fewest(2.0) > 100
 
 

@@ -188,7 +188,8 @@ def policy_one(engine: Engine) -> None:
     print()
 
 
-def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool) -> None:
+def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool,
+                 slice_s: float | None) -> None:
     procs_list = (1, 8) if quick else PROCS
     for name, sched in ENGINES:
         print(f"=== {name} ===\n")
@@ -196,10 +197,11 @@ def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool) -> N
                        env={"SIMGPU_SCHED": sched})
         engine = Engine(host, seconds=3.0 if quick else 8.0)
         try:
-            host.start_daemon(PERIOD)
-            print(f"(daemon period {PERIOD * 1000:g} ms; each container a cgpu-run job of "
-                  f"sharework processes, each keeping max(2, 1 ms of kernels) launches "
-                  f"outstanding)\n")
+            host.start_daemon(PERIOD, *(() if slice_s is None else ("--slice", str(slice_s))))
+            slice_note = "default slice" if slice_s is None else f"slice {slice_s * 1000:g} ms"
+            print(f"(daemon period {PERIOD * 1000:g} ms, {slice_note}; each container a "
+                  f"cgpu-run job of sharework processes, each keeping max(2, 1 ms of "
+                  f"kernels) launches outstanding)\n")
             totals = share_table(engine, procs_list) if "shares" in parts else {}
             if "switch" in parts:
                 switching(engine, totals)
@@ -258,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="3 s runs, 1 and 8 processes, one daemon period (a rough run)")
     parser.add_argument("--only", type=parse_parts, default=list(PARTS),
                         help=f"comma list of parts: {','.join(PARTS)}")
+    parser.add_argument("--slice", type=float, default=None, metavar="SECONDS",
+                        help="the daemon's --slice for the engine parts (default: its own)")
     args = parser.parse_args(argv)
     parts: list[str] = args.only
     why = missing()
@@ -268,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started_at = time.monotonic()
     simulated: list[Callable[[Path, Path], None]] = []
     if any(p in parts for p in ("shares", "switch", "caps", "p1")):
-        simulated.append(lambda base, root: engine_parts(base, root, parts, args.quick))
+        simulated.append(lambda base, root: engine_parts(base, root, parts, args.quick,
+                                                             args.slice))
     if "cpu" in parts:
         simulated.append(lambda base, root: daemon_cpu(base, root, args.quick))
     if simulated and why is not None:

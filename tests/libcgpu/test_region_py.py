@@ -41,6 +41,34 @@ def test_create_and_reopen(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == ["c1"], "no staging left behind"
 
 
+def create_side_by_side(folder: Path, count: int) -> list[BaseException]:
+    """`count` threads create a region each in `folder` at once; what they raised."""
+    start = threading.Barrier(count)
+    errors: list[BaseException] = []
+
+    def create(k: int) -> None:
+        start.wait()
+        try:
+            Region.create(folder / f"c{k}", f"ctr{k}", [GpuSpec(1 << 30, "GPU-a", 0)]).close()
+        except BaseException as error:  # reported by the caller
+            errors.append(error)
+
+    threads = [threading.Thread(target=create, args=(k,)) for k in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def test_jobs_started_side_by_side_create_the_folder_once(tmp_path: Path) -> None:
+    """Containers start together: the first regions race to create their folder."""
+    for attempt in range(20):
+        folder = tmp_path / f"regions{attempt}"
+        assert create_side_by_side(folder, 8) == []
+        assert sorted(p.name for p in folder.iterdir()) == [f"c{k}" for k in range(8)]
+
+
 def test_files_only_root_can_reach(tmp_path: Path) -> None:
     """The folder is root's alone; the container gets the files through bind
     mounts: the control part read-only to anyone but root, the account part
