@@ -175,6 +175,14 @@ def show_rates(measured: dict[str, float]) -> None:
               f"(counted by the workload, {KERNEL_US} us kernels)", flush=True)
 
 
+def settled_rates(docker: PrivateDocker, names: list[str]) -> dict[str, float]:
+    """After a change, let the scheduler settle (2 s), then measure and print the rates."""
+    time.sleep(2)
+    measured = rates(docker, names)
+    show_rates(measured)
+    return measured
+
+
 def show_ratio(measured: dict[str, float], names: tuple[str, str], target: float) -> None:
     first, second = (measured[n] for n in names)
     ratio = first / second if second else float("inf")
@@ -212,17 +220,12 @@ def one_gpu_part(op: Operator) -> None:
              "cat $CGPU_KM_ROOT/0/$dockerid/weight; cat $CGPU_KM_ROOT/0/free_weight")
     step("policy 2 (weight-based): GPU time follows the weights 4:1")
     op.shell("echo 2 > $CGPU_KM_ROOT/0/policy; cat $CGPU_KM_ROOT/0/policy")
-    time.sleep(2)
-    measured = rates(docker, ["gpu_test1", "gpu_test2"])
-    show_rates(measured)
-    show_ratio(measured, ("gpu_test1", "gpu_test2"), 4.0)
+    pair = ("gpu_test1", "gpu_test2")
+    show_ratio(settled_rates(docker, list(pair)), pair, 4.0)
     op.shell("cgpu-smi")
     step("live change to policy 1 (preemptive): active containers share 1:1")
     op.shell("echo 1 > $CGPU_KM_ROOT/0/policy; cat $CGPU_KM_ROOT/0/policy")
-    time.sleep(2)
-    measured = rates(docker, ["gpu_test1", "gpu_test2"])
-    show_rates(measured)
-    show_ratio(measured, ("gpu_test1", "gpu_test2"), 1.0)
+    show_ratio(settled_rates(docker, list(pair)), pair, 1.0)
     op.shell("docker rm -f gpu_test1 gpu_test2; ls $CGPU_KM_ROOT/0")
 
     step("the eGPU document: a 5000000000-byte container (minus the 10 MiB reserve)")
@@ -238,8 +241,7 @@ def one_gpu_part(op: Operator) -> None:
              f"-e GPU_UTIL_PER_DEVICE=33 -e NVIDIA_VISIBLE_DEVICES=0 {IMAGE}; "
              "cat $CGPU_KM_ROOT/0/$(docker ps -q --filter name=util33)/util_limit")
     wait_for("util33", lambda: progress(docker, "util33"), None)
-    time.sleep(2)
-    show_rates(rates(docker, ["util33"]))
+    settled_rates(docker, ["util33"])
     op.shell("docker rm -f util33 >/dev/null; ls $CGPU_KM_ROOT/0")
 
 
