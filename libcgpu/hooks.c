@@ -825,6 +825,10 @@ static CUresult ctx_acquire(const struct cgpu_control *r, int g, int primary)
         cgpu_log("this GPU is not assigned to the container; no context is created on it");
         return CUDA_ERROR_INVALID_DEVICE;
     }
+    /* The slot before the context: the daemon stops a process that holds a
+     * context without one (it bypassed libcgpu), and it looks for the slot
+     * only after it saw the context. */
+    (void)cgpu_slot();
     pthread_mutex_lock(&ctx_lock);
     if (ctx_refs[g] == 0) {
         uint64_t bytes = __atomic_load_n(&r->gpu[g].ctx_bytes, __ATOMIC_RELAXED);

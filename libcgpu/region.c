@@ -34,6 +34,10 @@ uint32_t cgpu_launching[CGPU_MAX_GPUS];
 static pthread_once_t region_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER; /* process-local */
 static uint64_t my_pidns;
+static uint64_t my_start;            /* this process's start time, read at its slot's claim */
+/* What this process holds per GPU by its own count: the account part can be
+ * rewritten by the container, this copy only by the process itself. */
+static uint64_t my_bytes[CGPU_MAX_GPUS];
 
 void cgpu_log(const char *fmt, ...)
 {
@@ -113,12 +117,11 @@ static int proc_is_ours(void)
     return known;
 }
 
-/* Is the owner of this slot still running? Unknown counts as alive (the
- * daemon, which asks the kernel, reclaims what is left). */
-static int slot_owner_alive(const struct cgpu_proc *s)
+/* Is the process (pid in pid namespace ns, started at `want`) still running?
+ * Unknown counts as alive (the daemon, which asks the kernel, reclaims what
+ * is left). */
+static int process_alive(pid_t pid, uint64_t ns, uint64_t want)
 {
-    pid_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
-    uint64_t ns = __atomic_load_n(&s->pidns, __ATOMIC_RELAXED);
     if (pid <= 0 || !proc_is_ours())
         return 1;
     if (ns != 0 && my_pidns != 0 && ns != my_pidns)
@@ -131,10 +134,16 @@ static int slot_owner_alive(const struct cgpu_proc *s)
     if (rc == 0) {
         if (state == 'Z' || state == 'X')
             return 0;
-        uint64_t want = __atomic_load_n(&s->start_time, __ATOMIC_RELAXED);
         return want == 0 || start == want;
     }
     return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+static int slot_owner_alive(const struct cgpu_proc *s)
+{
+    pid_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
+    return process_alive(pid, __atomic_load_n(&s->pidns, __ATOMIC_RELAXED),
+                         __atomic_load_n(&s->start_time, __ATOMIC_RELAXED));
 }
 
 static void slot_zero_usage(struct cgpu_proc *s)
@@ -219,6 +228,8 @@ static void after_fork_child(void)
 {
     __atomic_store_n(&cgpu_slot_ptr, NULL, __ATOMIC_RELEASE);
     pthread_mutex_init(&claim_lock, NULL);
+    memset(my_bytes, 0, sizeof my_bytes); /* the parent's memory is the parent's */
+    my_start = 0;
     memset(cgpu_launching, 0, sizeof cgpu_launching);
     cgpu_watch_after_fork();
     cgpu_track_after_fork();
@@ -344,6 +355,7 @@ struct cgpu_proc *cgpu_slot_claim(void)
             continue;
         slot_zero_usage(s);
         s->start_time = start;
+        my_start = start;
         s->pidns = my_pidns;
         s->attach_ns = cgpu_now_ns();
         read_comm(s->comm, sizeof s->comm);
@@ -421,6 +433,49 @@ static void backoff(unsigned attempt)
     nanosleep(&ts, NULL);
 }
 
+/* The bytes of the container's other processes on GPU g as the daemon last
+ * saw them; with `living`, only of those still running. 0 when the daemon
+ * has published nothing yet. A seqlock read: retried while the daemon
+ * writes (a few microseconds), then taken as it is. */
+static uint64_t seen_others(const struct cgpu_control *c, int g, int living)
+{
+    pid_t me = getpid();
+    uint64_t total = 0;
+    for (unsigned attempt = 0; attempt < 1000; attempt++) {
+        uint64_t seq = __atomic_load_n(&c->seen_seq, __ATOMIC_ACQUIRE);
+        if (seq & 1) {
+            sched_yield();
+            continue;
+        }
+        uint32_t n = __atomic_load_n(&c->nseen, __ATOMIC_RELAXED);
+        total = __atomic_load_n(&c->seen_rest[g], __ATOMIC_RELAXED);
+        for (uint32_t i = 0; i < n && i < CGPU_MAX_SEEN; i++) {
+            const struct cgpu_seen *e = &c->seen[i];
+            if (e->gpu != (uint32_t)g)
+                continue;
+            if (e->pid == me && e->pidns == my_pidns && e->start_time == my_start)
+                continue; /* this process: counted by its own count */
+            if (living && !process_alive(e->pid, e->pidns, e->start_time))
+                continue;
+            total += e->bytes;
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&c->seen_seq, __ATOMIC_RELAXED) == seq)
+            break;
+    }
+    return total;
+}
+
+/* Whether `size` more bytes on GPU g fit the limit by what the daemon saw the
+ * others hold plus this process's own count (which already includes `size`). */
+static int seen_room(const struct cgpu_control *c, int g, uint64_t limit)
+{
+    uint64_t mine = __atomic_load_n(&my_bytes[g], __ATOMIC_RELAXED);
+    if (seen_others(c, g, 0) + mine <= limit)
+        return 1;
+    return seen_others(c, g, 1) + mine <= limit; /* some of them may be gone */
+}
+
 int cgpu_reserve(int g, uint64_t size)
 {
     const struct cgpu_control *c = cgpu_region_ptr;
@@ -434,11 +489,18 @@ int cgpu_reserve(int g, uint64_t size)
     uint64_t limit = __atomic_load_n(&c->gpu[g].limit, __ATOMIC_ACQUIRE);
     if (limit == 0) { /* the whole device: count, never refuse */
         __atomic_add_fetch(&pg->mem, size, __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(&my_bytes[g], size, __ATOMIC_SEQ_CST);
         __atomic_fetch_add(&pg->allocs, 1, __ATOMIC_RELAXED);
         return 0;
     }
     if (size > limit)
         return -1;
+    /* this process's own claim first, as for the slots: racing threads each see the other */
+    __atomic_add_fetch(&my_bytes[g], size, __ATOMIC_SEQ_CST);
+    if (!seen_room(c, g, limit)) {
+        sub_clamped(&my_bytes[g], size);
+        return -1;
+    }
     int reclaimed_once = 0;
     for (unsigned attempt = 0; attempt < 2000; attempt++) {
         /* publish first, then look: whoever of two racers looks last sees both */
@@ -460,18 +522,21 @@ int cgpu_reserve(int g, uint64_t size)
                 if (cgpu_reclaim_dead() > 0)
                     continue;
             }
-            return -1;
+            break;
         }
         backoff(attempt); /* another process's check is in flight: try again */
     }
+    sub_clamped(&my_bytes[g], size);
     return -1;
 }
 
 void cgpu_unreserve(int g, uint64_t size)
 {
     struct cgpu_proc *me = cgpu_slot_ptr;
-    if (me != NULL && size > 0)
+    if (me != NULL && size > 0) {
         sub_clamped(&me->gpu[g].mem, size);
+        sub_clamped(&my_bytes[g], size);
+    }
 }
 
 #define OOM_SCRIPT_NS 5000000000ull

@@ -40,6 +40,13 @@
  *    is from the grant to the last answer; only then is the next container
  *    granted. Processes keep their queued work short (gpu.max_inflight
  *    launches per stream, libcgpu/flight.c), so a drain is short too.
+ *  - The account can be rewritten by any process of the container, so it is
+ *    not the only word on memory: every memory round the daemon publishes in
+ *    control.seen what the kernel's view (NVML by pid namespace and cgroup)
+ *    says each of the container's processes holds. An allocation is admitted
+ *    only if the slots' sum and that figure both leave room (region.c,
+ *    seen_room): the others' published bytes, less those of processes that
+ *    are gone, plus what this process itself holds by its own private count.
  *
  * All timestamps are CLOCK_MONOTONIC nanoseconds (Python: time.monotonic_ns()).
  * All fields are naturally aligned; 64-bit fields are read and written with
@@ -50,11 +57,12 @@
 
 #include <stdint.h>
 
-#define CGPU_CONTROL_MAGIC 0x334c544355504743ULL /* "CGPUCTL3" little-endian */
-#define CGPU_ACCOUNT_MAGIC 0x3354434155504743ULL /* "CGPUACT3" little-endian */
-#define CGPU_REGION_VERSION 3u
+#define CGPU_CONTROL_MAGIC 0x344c544355504743ULL /* "CGPUCTL4" little-endian */
+#define CGPU_ACCOUNT_MAGIC 0x3454434155504743ULL /* "CGPUACT4" little-endian */
+#define CGPU_REGION_VERSION 4u
 #define CGPU_MAX_GPUS 16
 #define CGPU_MAX_PROCS 256
+#define CGPU_MAX_SEEN 256 /* control.seen entries: the container's GPU processes per NVML */
 #define CGPU_ID_LEN 72
 #define CGPU_PATH_LEN 256
 #define CGPU_UUID_LEN 96
@@ -103,6 +111,15 @@ struct cgpu_gpu {
     uint8_t reserved[104];
 };
 
+/* One GPU process of the container as the daemon saw it. 32 bytes. */
+struct cgpu_seen {
+    uint64_t pidns;          /* inode of its pid namespace */
+    int32_t pid;             /* in that namespace */
+    uint32_t gpu;            /* container GPU k */
+    uint64_t start_time;     /* field 22 of /proc/<pid>/stat */
+    uint64_t bytes;          /* what NVML says it holds on that GPU */
+};
+
 struct cgpu_control {
     uint64_t magic;          /* CGPU_CONTROL_MAGIC */
     uint32_t version;        /* CGPU_REGION_VERSION */
@@ -118,6 +135,13 @@ struct cgpu_control {
     char oom_script[CGPU_PATH_LEN]; /* eGPU: run (inside the container) before a stop */
     uint8_t reserved[128];
     struct cgpu_gpu gpu[CGPU_MAX_GPUS];
+    /* Version 4: what the daemon saw, under the seqlock seen_seq. */
+    uint64_t seen_seq;       /* odd while the daemon writes seen */
+    uint64_t seen_rounds;    /* publications so far */
+    uint32_t nseen;          /* seen[0..nseen) are valid */
+    uint32_t seen_reserved;
+    uint64_t seen_rest[CGPU_MAX_GPUS]; /* bytes of processes past CGPU_MAX_SEEN */
+    struct cgpu_seen seen[CGPU_MAX_SEEN];
 };
 
 /* ---- account: what the container's processes report ---- */
@@ -168,7 +192,10 @@ struct cgpu_account {
 
 #if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 _Static_assert(sizeof(struct cgpu_gpu) == 256, "cgpu_gpu layout");
-_Static_assert(sizeof(struct cgpu_control) == 512 + 256 * CGPU_MAX_GPUS, "cgpu_control layout");
+_Static_assert(sizeof(struct cgpu_seen) == 32, "cgpu_seen layout");
+_Static_assert(sizeof(struct cgpu_control) ==
+                   512 + 256 * CGPU_MAX_GPUS + 24 + 8 * CGPU_MAX_GPUS + 32 * CGPU_MAX_SEEN,
+               "cgpu_control layout");
 _Static_assert(sizeof(struct cgpu_proc_gpu) == 128, "cgpu_proc_gpu layout");
 _Static_assert(sizeof(struct cgpu_proc) == 64 + 128 * CGPU_MAX_GPUS, "cgpu_proc layout");
 _Static_assert(sizeof(struct cgpu_account) ==

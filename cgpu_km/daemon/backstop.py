@@ -26,6 +26,7 @@ from typing import Any
 
 from cgpu_km.daemon.registry import Key, Registry
 from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -95,6 +96,9 @@ class MemoryView:
     # seconds their launches waited at the gate, allocations refused.
     gate_wait: Mapping[Key, float] = field(default_factory=dict)
     oom_refusals: Mapping[Key, int] = field(default_factory=dict)
+    # Per container (region) name: its processes as the kernel and NVML saw
+    # them, published in its region's control part for libcgpu.
+    seen: Mapping[str, tuple[region_mod.Seen, ...]] = field(default_factory=dict)
 
 
 class Attribution:
@@ -177,22 +181,31 @@ def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> 
         attribution.host, attribution.proc)
     procs: dict[Key, dict[int, int]] = {key: {} for key in keys}
     unmanaged: dict[Key, set[int]] = {key: set() for key in keys}
+    identity: dict[int, tuple[int, int, int]] = {}
     stray: dict[int, dict[int, int]] = {}
+    seen: dict[str, list[region_mod.Seen]] = {entry.name: [] for entry, _k in keys.values()}
     for (gpu, pid), size in sorted(by_pid.items()):
         name = attribution.owner_of(pid, owners)
         key = (gpu, name or "")
-        if name is None or key not in procs:
+        info = attribution.info(pid)
+        if name is None or key not in procs or info is None:
             stray.setdefault(gpu, {})[pid] = size
             continue
         procs[key][pid] = size
-        slots = {(p.pidns, p.pid, p.start_time) for p in views[key]}
-        info = attribution.info(pid)
-        if info is None or (info.pidns, info.inner_pid, info.start_time) not in slots:
+        identity[pid] = (info.pidns, info.inner_pid, info.start_time)
+        seen[name].append(region_mod.Seen(keys[key][1], *identity[pid], size))
+        if identity[pid] not in {(p.pidns, p.pid, p.start_time) for p in views[key]}:
             unmanaged[key].add(pid)
+    # libcgpu claims a process's slot before it makes a context, so a slot
+    # claimed after the first look but before NVML's is in a second look.
+    for key in [key for key, pids in unmanaged.items() if pids]:
+        slots = {(p.pidns, p.pid, p.start_time) for p in keys[key][0].region.processes()}
+        unmanaged[key] = {pid for pid in unmanaged[key] if identity[pid] not in slots}
     return MemoryView(
         by_container={key: ContainerMemory(procs[key], frozenset(unmanaged[key]))
                       for key in keys},
-        used_by_gpu=used, stray=stray, gate_wait=gate_wait, oom_refusals=refusals)
+        used_by_gpu=used, stray=stray, gate_wait=gate_wait, oom_refusals=refusals,
+        seen={name: tuple(found) for name, found in seen.items()})
 
 
 def over_limit(procs: Mapping[int, int], limit: int) -> list[int]:

@@ -14,7 +14,7 @@ import trio
 
 from cgpu_km.daemon import core
 from cgpu_km.daemon import snapshot as snap
-from cgpu_km.daemon.context import Settings
+from cgpu_km.daemon.context import BYPASS_ACTIONS, Settings
 from cgpu_km.daemon.edges import FsTree
 from cgpu_km.daemon.lifecycle import run_with_signals
 from cgpu_km.daemon.sdnotify import Notifier
@@ -51,6 +51,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         metavar="HOST:PORT", help="serve Prometheus /metrics on HOST:PORT "
                         "([::1]:PORT for IPv6), or 'off' (default; the service uses "
                         "127.0.0.1:9400)")
+    parser.add_argument("--on-bypass", choices=BYPASS_ACTIONS, default=Settings.on_bypass,
+                        help="what is done to a process of a managed container that holds "
+                        "GPU memory without libcgpu, under policies 0-4: stop it (SIGKILL; "
+                        "default) or only report it")
+    parser.add_argument("--report-bypass", action="append", default=[], metavar="CONTAINER",
+                        help="only report, never stop, the bypassing processes of this "
+                        "container (its name in the tree; repeatable)")
     parser.add_argument("-v", "--verbose", action="store_true")
     probe = parser.add_mutually_exclusive_group()
     probe.add_argument("--count-gpus", action="store_true",
@@ -93,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         settings = Settings(period=args.period, slice=args.slice,
-                            tree_refresh=args.tree_refresh, full_refresh=args.full_refresh)
+                            tree_refresh=args.tree_refresh, full_refresh=args.full_refresh,
+                            on_bypass=args.on_bypass,
+                            report_bypass=frozenset(args.report_bypass))
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from cgpu_km.daemon.edges import GpuNodes, Key
 from cgpu_km.daemon.sched import QUANTUM, ContainerSpec, GpuConfig
 
 T = TypeVar("T")
+BYPASS_ACTIONS = ("stop", "report")
 Blocking = Callable[[Callable[[], T]], Awaitable[T]]
 
 
@@ -30,6 +31,11 @@ class Settings:
     save_interval: float = 5.0  # state file (also written on exit and before a hot update)
     stop_deadline: float = 15.0  # a stop (OOM script, then SIGKILL) is given up after this
     call_deadline: float = 30.0  # a blocking call (a wedged FUSE mount, a hung NVML) after this
+    # A process of a managed container that holds GPU memory without libcgpu
+    # (policies 0-4): "stop" (SIGKILL) or "report" (the journal, cgpu-smi and
+    # the metrics only); the containers named in `report_bypass` are only reported.
+    on_bypass: str = "stop"
+    report_bypass: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for name in ("period", "slice", "tree_refresh", "full_refresh", "memory_interval",
@@ -38,6 +44,13 @@ class Settings:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if self.on_bypass not in BYPASS_ACTIONS:
+            raise ValueError(f"on_bypass must be {' or '.join(BYPASS_ACTIONS)}, "
+                             f"not {self.on_bypass!r}")
+
+    def stops_bypass(self, container: str) -> bool:
+        """Whether a process of `container` that bypasses libcgpu is stopped."""
+        return self.on_bypass == "stop" and container not in self.report_bypass
 
 
 def gpu_config(nodes: GpuNodes, specs: Mapping[str, ContainerSpec]) -> GpuConfig:

@@ -152,8 +152,9 @@ class Plane(Protocol):
     def reclaim(self) -> int:
         """Free the process slots whose process the kernel says is gone (blocking)."""
 
-    def stop(self, key: Key, pid: int) -> None:
-        """Stop a process over its container's limit (blocking: eGPU's OOM script first)."""
+    def stop(self, key: Key, pid: int, *, oom_script: bool = True) -> None:
+        """Stop a process of container `key` (blocking: in eGPU mode, with
+        `oom_script`, the container's OOM script first)."""
 
     def close(self) -> None:
         """Stop every dispatcher; every gate opens (fail open)."""

@@ -1,6 +1,8 @@
 """The memory service: NVML's processes put into containers by the kernel's
-view, fed into the tree (`meminfo`), and the backstop that stops the processes
-of a container over its limit, each stop a task of its own with a deadline."""
+view, fed into the tree (`meminfo`), the backstop that stops the processes
+of a container over its limit, and the stop of processes that hold GPU
+memory without libcgpu (no GPU time outside the scheduler, policies 0-4);
+each stop a task of its own with a deadline."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import trio
 from cgpu_km.daemon.backstop import Grandfather, MemoryView, over_limit
 from cgpu_km.daemon.context import Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane, Tree
+from cgpu_km.daemon.sched import Policy
 from cgpu_km.daemon.treesync import TreeSync
 
 log = logging.getLogger("cgpu-daemon")
@@ -32,7 +35,11 @@ class MemoryService:
         self.memory = MemoryView(by_container={})
         self.grandfather = Grandfather()
         self.stopping: set[tuple[Key, int]] = set()
-        self.stopped: dict[Key, int] = {}  # processes stopped, by container
+        self.stopped: dict[Key, int] = {}  # processes stopped for memory, by container
+        self.bypass_stopped: dict[Key, int] = {}  # processes stopped for bypassing libcgpu
+        self.round_done = trio.Event()  # set (and replaced) at the end of every round
+        # Bypassing processes reported or stopped, while NVML still lists them.
+        self._handled: set[tuple[Key, int]] = set()
         self._fed: dict[Key, dict[int, int]] = {}
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -47,7 +54,10 @@ class MemoryService:
                     continue
                 self.memory = memory
                 self._backstop(memory, stops)
+                self._bypass(memory, stops)
                 await self._feed_meminfo(memory)
+                self.round_done.set()
+                self.round_done = trio.Event()
 
     async def _feed_meminfo(self, memory: MemoryView) -> None:
         specs = self.sync.view.specs
@@ -87,13 +97,40 @@ class MemoryService:
                 stops.start_soon(self._stop, key, pid)
         self.grandfather.forget(set(memory.by_container))
 
-    async def _stop(self, key: Key, pid: int) -> None:
+    def _bypass(self, memory: MemoryView, stops: trio.Nursery) -> None:
+        """Stop (or report) every process of a container that holds GPU memory
+        without a process slot: it bypassed libcgpu, so its work never waits
+        for the scheduler. libcgpu claims its slot before it makes a context,
+        and `measure` looks for the slot after NVML, so a process that just
+        started is never taken for one. Under policy 5 only memory counts."""
+        seen = set()
+        for key, found in memory.by_container.items():
+            nodes = self.sync.view.nodes.get(key[0])
+            if nodes is None or nodes.policy == Policy.NATIVE:
+                continue
+            stop = self.settings.stops_bypass(key[1])
+            for pid in sorted(found.unmanaged):
+                seen.add((key, pid))
+                if (key, pid) in self.stopping or (key, pid) in self._handled:
+                    continue
+                log.warning("container %s on GPU %d: pid %d holds GPU memory without "
+                            "libcgpu (not scheduled): %s", key[1], key[0], pid,
+                            "stopping it" if stop else "reported only")
+                self._handled.add((key, pid))
+                if stop:
+                    self.stopping.add((key, pid))
+                    stops.start_soon(self._stop, key, pid, True)
+        self._handled &= seen
+
+    async def _stop(self, key: Key, pid: int, bypass: bool = False) -> None:
         try:
             with trio.move_on_after(self.settings.stop_deadline) as scope:
-                await self.stop_workers(partial(self.plane.stop, key, pid))
+                await self.stop_workers(partial(self.plane.stop, key, pid,
+                                                oom_script=not bypass))
             if scope.cancelled_caught:
                 log.warning("stopping pid %d of %s took over %.0f s", pid, key[1],
                             self.settings.stop_deadline)
-            self.stopped[key] = self.stopped.get(key, 0) + 1
+            counts = self.bypass_stopped if bypass else self.stopped
+            counts[key] = counts.get(key, 0) + 1
         finally:
             self.stopping.discard((key, pid))

@@ -127,6 +127,10 @@ CONTAINER_METRICS = (
                "Processes of the container on the GPU that bypassed libcgpu (no process "
                "slot): counted against its memory limit, not gated.",
                lambda c: sum(not p.managed for p in c.processes)),
+    MetricSpec("cgpu_container_bypass_stops_total", "counter", CONTAINER_LABELS,
+               "Processes of the container stopped for holding GPU memory without libcgpu "
+               "(policies 0-4, unless the daemon only reports them).",
+               lambda c: c.bypass_stops),
 )
 
 METRICS = DAEMON_METRICS + GPU_METRICS + CONTAINER_METRICS

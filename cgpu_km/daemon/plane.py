@@ -132,7 +132,12 @@ class RegionPlane:
     # -- memory and slots --
 
     def memory(self) -> backstop.MemoryView:
-        return backstop.measure(self.registry, self.nvml, self.attribution)
+        """Every container's GPU memory, also published in each region for libcgpu."""
+        view = backstop.measure(self.registry, self.nvml, self.attribution)
+        if self.nvml is not None:
+            for entry in self.registry.all():
+                entry.region.publish_seen(view.seen.get(entry.name, ()))
+        return view
 
     def reclaim(self) -> int:
         """Slots of processes the kernel does not run (in the container the slot
@@ -166,9 +171,10 @@ class RegionPlane:
                 freed += len(gone)
         return freed
 
-    def stop(self, key: Key, pid: int) -> None:
+    def stop(self, key: Key, pid: int, *, oom_script: bool = True) -> None:
         """Stop `pid` (a host pid the kernel put in container `key`): eGPU's OOM
-        script first, inside the container as the process's user, then SIGKILL."""
+        script first (with `oom_script`), inside the container as the
+        process's user, then SIGKILL."""
         found = self.registry.keys().get(key)
         info = self.attribution.info(pid)
         if found is None or info is None:
@@ -186,7 +192,8 @@ class RegionPlane:
             again = kernelview.process_info(pid, self.attribution.proc)
             if again is None or again.start_time != info.start_time:
                 return  # another process got the pid
-            script = entry.region.oom_script if entry.region.mode == "egpu" else ""
+            script = entry.region.oom_script if oom_script and entry.region.mode == "egpu" \
+                else ""
             usage = sum(p.mem[k] for p in entry.region.processes())
             backstop.stop_process(pid, oom_script=script, env={
                 "CGPU_OOM_CONTAINER": entry.name, "CGPU_OOM_GPU": str(k),

@@ -180,6 +180,7 @@ class Publisher:
                     oom_events=memory.oom_refusals.get(key, 0) + self.memory.stopped.get(key, 0),
                     processes=tuple(snap.ProcessFigures(pid, size, pid not in unmanaged)
                                     for pid, size in sorted(procs.items())),
+                    bypass_stops=self.memory.bypass_stopped.get(key, 0),
                 ))
         return snap.Snapshot(
             version=self.sync.version, pid=os.getpid(), period_seconds=self.settings.period,

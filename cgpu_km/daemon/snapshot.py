@@ -71,6 +71,7 @@ class ContainerFigures:
     gate_wait_seconds: float  # counter: time its launches waited at a closed gate (all procs)
     oom_events: int  # counter: allocations refused or processes stopped for memory
     processes: tuple[ProcessFigures, ...] = ()
+    bypass_stops: int = 0  # counter: processes stopped for holding GPU memory without libcgpu
 
 
 @dataclass(frozen=True)

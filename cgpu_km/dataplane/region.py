@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONTROL_MAGIC = 0x334C544355504743  # "CGPUCTL3"
-ACCOUNT_MAGIC = 0x3354434155504743  # "CGPUACT3"
-VERSION = 3
+CONTROL_MAGIC = 0x344C544355504743  # "CGPUCTL4"
+ACCOUNT_MAGIC = 0x3454434155504743  # "CGPUACT4"
+VERSION = 4
 MAX_GPUS = 16
 MAX_PROCS = 256
+MAX_SEEN = 256  # processes the daemon lists in control.seen
 ID_LEN = 72
 PATH_LEN = 256
 UUID_LEN = 96
@@ -84,6 +85,16 @@ class GpuEntry(ctypes.Structure):
     )
 
 
+class SeenEntry(ctypes.Structure):
+    _fields_ = (
+        ("pidns", ctypes.c_uint64),
+        ("pid", ctypes.c_int32),
+        ("gpu", ctypes.c_uint32),
+        ("start_time", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+    )
+
+
 class ControlLayout(ctypes.Structure):
     _fields_ = (
         ("magic", ctypes.c_uint64),
@@ -100,6 +111,12 @@ class ControlLayout(ctypes.Structure):
         ("oom_script", ctypes.c_char * PATH_LEN),
         ("reserved", ctypes.c_uint8 * 128),
         ("gpu", GpuEntry * MAX_GPUS),
+        ("seen_seq", ctypes.c_uint64),
+        ("seen_rounds", ctypes.c_uint64),
+        ("nseen", ctypes.c_uint32),
+        ("seen_reserved", ctypes.c_uint32),
+        ("seen_rest", ctypes.c_uint64 * MAX_GPUS),
+        ("seen", SeenEntry * MAX_SEEN),
     )
 
 
@@ -169,6 +186,18 @@ class GpuSpec:
     host_index: int = 0
     ctx_bytes: int = CTX_MEASURE
     max_inflight: int = DEFAULT_MAX_INFLIGHT
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One GPU process of the container as the daemon saw it (the kernel's
+    identity, NVML's bytes) on container GPU `gpu`."""
+
+    gpu: int
+    pidns: int
+    pid: int
+    start_time: int
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -521,6 +550,41 @@ class Region:
 
     def doorbell(self, k: int) -> int:
         return int(self._account.doorbell[k])
+
+    # -- what the daemon saw --
+
+    def publish_seen(self, seen: Sequence[Seen]) -> None:
+        """Publish what the container's processes hold as the kernel's view saw
+        it (libcgpu admits an allocation only if this leaves room too). Under
+        the seqlock `seen_seq`; one writer (the daemon's memory service)."""
+        control = self._control
+        rest = [0] * MAX_GPUS
+        control.seen_seq += 1  # odd: readers retry
+        for i, item in enumerate(seen):
+            if not 0 <= item.gpu < MAX_GPUS:
+                continue
+            if i >= MAX_SEEN:
+                rest[item.gpu] += item.bytes
+                continue
+            entry = control.seen[i]
+            entry.pidns, entry.pid, entry.gpu = item.pidns, item.pid, item.gpu
+            entry.start_time, entry.bytes = item.start_time, item.bytes
+        control.nseen = min(len(seen), MAX_SEEN)
+        for k in range(MAX_GPUS):
+            control.seen_rest[k] = rest[k]
+        control.seen_seq += 1
+        control.seen_rounds += 1
+
+    @property
+    def seen_rounds(self) -> int:
+        """How many times the daemon published what it saw."""
+        return int(self._control.seen_rounds)
+
+    def seen(self) -> list[Seen]:
+        """The published processes (the daemon's own view; it is the only writer)."""
+        control = self._control
+        return [Seen(int(e.gpu), int(e.pidns), int(e.pid), int(e.start_time), int(e.bytes))
+                for e in control.seen[:min(int(control.nseen), MAX_SEEN)]]
 
     # -- processes --
 

@@ -22,6 +22,7 @@
  *   slot                         this process's slot in the account part
  *   forge-own PID PIDNS MEM      rewrite this process's slot: pid, pid namespace, GPU 0 bytes
  *   forge I PID PIDNS START MEM  write slot I as a live slot of someone else
+ *   zero                         every slot's bytes held set to 0 (the account "reset")
  *   fuzz SECONDS SEED [slots]    random bytes at random offsets of the account part; with
  *                                "slots", also slots made to look live, waiting, watching
  *                                and answering closes with random figures, the doorbell
@@ -236,6 +237,21 @@ static void cmd_forge(int index, int pid, unsigned long long pidns, unsigned lon
     printf("forge ok\n");
 }
 
+static void cmd_zero(void)
+{
+    struct cgpu_account *a = account();
+    if (a == NULL) {
+        printf("zero no-account\n");
+        return;
+    }
+    int zeroed = 0;
+    for (int i = 0; i < CGPU_MAX_PROCS; i++)
+        for (int g = 0; g < CGPU_MAX_GPUS; g++)
+            if (__atomic_exchange_n(&a->proc[i].gpu[g].mem, 0, __ATOMIC_SEQ_CST) != 0)
+                zeroed++;
+    printf("zero lines=%d\n", zeroed);
+}
+
 static uint64_t next_random(uint64_t *state)
 {
     uint64_t x = *state;
@@ -405,6 +421,8 @@ static void run(char *line)
     } else if (strcmp(op, "forge") == 0) {
         cmd_forge(atoi(ARG(1)), atoi(ARG(2)), strtoull(ARG(3), NULL, 0),
                   strtoull(ARG(4), NULL, 0), strtoull(ARG(5), NULL, 0));
+    } else if (strcmp(op, "zero") == 0) {
+        cmd_zero();
     } else if (strcmp(op, "fuzz") == 0) {
         cmd_fuzz(atof(ARG(1)), strtoull(ARG(2), NULL, 0), strcmp(ARG(3), "slots") == 0);
     } else if (strcmp(op, "sleep") == 0) {

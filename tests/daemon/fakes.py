@@ -116,6 +116,7 @@ class FakePlane:
         self.unmanaged: dict[Key, set[int]] = {}
         self.egpu_keys: set[Key] = set()
         self.stopped: list[tuple[Key, int]] = []
+        self.stopped_with_script: list[bool] = []  # each stop's oom_script
         self.stop_seconds = 0.0  # a slow stop (an OOM script), in real time
         self.stuck = False  # dispatchers stopped stepping
         self.closed = False
@@ -163,18 +164,20 @@ class FakePlane:
     def memory(self) -> MemoryView:
         with self._lock:
             return MemoryView(by_container={
-                key: ContainerMemory(dict(procs), frozenset(self.unmanaged.get(key, set())))
+                key: ContainerMemory(dict(procs),
+                                     frozenset(self.unmanaged.get(key, set()) & procs.keys()))
                 for key, procs in self.memory_by.items()})
 
     def reclaim(self) -> int:
         self.reclaims += 1
         return 0
 
-    def stop(self, key: Key, pid: int) -> None:
+    def stop(self, key: Key, pid: int, *, oom_script: bool = True) -> None:
         if self.stop_seconds:
             time.sleep(self.stop_seconds)
         with self._lock:
             self.stopped.append((key, pid))
+            self.stopped_with_script.append(oom_script)
             self.memory_by.get(key, {}).pop(pid, None)
 
     def close(self) -> None:

@@ -417,3 +417,54 @@ def test_bad_settings_are_refused() -> None:
         Settings(period=0)
     with pytest.raises(ValueError, match="slice must be a positive number"):
         Settings(slice=float("nan"))
+
+
+async def rounds(daemon: Daemon, count: int) -> None:
+    """Wait until the memory service has done `count` more rounds."""
+    for _ in range(count):
+        await daemon.memory.round_done.wait()
+
+
+@pytest.mark.parametrize(("policy", "settings", "stopped"), [
+    (1, {}, {10}),
+    (3, {}, {10}),
+    (5, {}, set()),  # memory only: bypassing stays a memory matter
+    (1, {"on_bypass": "report"}, set()),
+    (1, {"report_bypass": frozenset({"a"})}, set()),
+], ids=["policy1", "policy3", "policy5", "report-node", "report-container"])
+async def test_a_process_without_libcgpu_is_stopped_in_the_round_that_sees_it(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, policy: int,
+    settings: dict[str, Any], stopped: set[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pid 10 holds GPU memory with no process slot (it bypassed libcgpu); pid 11 has one.
+    Only 10 is stopped, without the OOM script, once, and counted for the snapshot; unless
+    the GPU is memory-only or the operator asked for reports."""
+    tree, plane = two_containers(policy=policy), FakePlane()
+    plane.memory_by[0, "a"] = {10: 100, 11: 200}
+    plane.unmanaged[0, "a"] = {10}
+    plane.egpu_keys.add((0, "a"))
+    daemon, _ = make_daemon(tree, plane, tmp_path, settings=Settings(
+        period=PERIOD, tree_refresh=0.5, memory_interval=0.1, publish_interval=0.5,
+        **settings))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        await rounds(daemon, 3)
+        nursery.cancel_scope.cancel()
+    assert plane.stopped == [((0, "a"), pid) for pid in sorted(stopped)]
+    assert plane.stopped_with_script == [False] * len(stopped), "eGPU, but no OOM script"
+    assert daemon.memory.bypass_stopped == ({(0, "a"): 1} if stopped else {})
+    assert daemon.memory.stopped == {}, "not a memory stop"
+    figures = daemon.publisher.snapshot().container(0, "a")
+    assert figures is not None
+    assert figures.bypass_stops == len(stopped)
+    logged = [r.getMessage() for r in caplog.records if "without libcgpu" in r.getMessage()]
+    if policy == 5:
+        assert logged == []
+    else:
+        assert len(logged) == 1, logged  # once, however many rounds see it
+        assert logged[0].endswith("stopping it" if stopped else "reported only")
+
+
+def test_on_bypass_takes_stop_or_report() -> None:
+    with pytest.raises(ValueError, match="on_bypass must be stop or report"):
+        Settings(on_bypass="kill")

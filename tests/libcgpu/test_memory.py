@@ -320,3 +320,53 @@ def test_dlsym_interposition(sandbox: Sandbox, tmp_path: Path) -> None:
                           text=True, check=True).stdout.splitlines()
     assert bare[0] == "next-malloc-is-libc 1"
     assert bare[1].endswith("libcuda.so.1"), "no region: the real driver's function"
+
+
+def test_what_the_daemon_saw_bounds_an_allocation_whatever_the_account_says(
+        sandbox: Sandbox) -> None:
+    """The account part says nothing is held (a container zeroed it), but the control part
+    lists a running process of the container holding 40 MiB of a 64 MiB limit: a new process
+    gets 24 MiB, not a byte more. A listed process that is gone, or the process itself, is
+    not counted twice."""
+    region = sandbox.make_region(64 * MiB)
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        started = start_time(holder.pid)
+        assert started is not None
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+        held = region_mod.Seen(0, pidns, holder.pid, started, 40 * MiB)
+        gone = region_mod.Seen(0, pidns, holder.pid, started + 1, 40 * MiB)  # its pid reused
+        region.publish_seen([held, gone])
+        assert region.seen_rounds == 1
+        assert region.usage(0) == 0
+        result = sandbox.workload("alloc", str(24 * MiB + 1), "alloc", str(24 * MiB),
+                                  "alloc", "1", "free", "alloc", str(16 * MiB))
+        assert rcs(result) == [("alloc", OOM), ("alloc", 0), ("alloc", OOM), ("free", 0),
+                               ("alloc", 0)]
+        region.publish_seen([])  # the holder is gone from NVML: the whole limit again
+        assert rcs(sandbox.workload("alloc", str(64 * MiB))) == [("alloc", 0)]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_process_listed_by_the_daemon_is_not_charged_twice(sandbox: Sandbox) -> None:
+    """The process that allocates is in the published list itself (with what it held at
+    the last round): its own count replaces that figure, so it reaches its limit exactly."""
+    region = sandbox.make_region(32 * MiB)
+    proc = sandbox.popen([str(sandbox.built.workload), "alloc", str(16 * MiB), "wait",
+                          "alloc", str(16 * MiB), "alloc", "1"])
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().endswith("rc=0\n")
+        assert proc.stdout.readline() == "waiting\n"
+        started = start_time(proc.pid)
+        assert started is not None
+        region.publish_seen([region_mod.Seen(0, os.stat("/proc/self/ns/pid").st_ino, proc.pid,
+                                             started, 16 * MiB)])
+        out, _ = proc.communicate("\n", timeout=30)
+        assert Sandbox.rcs(out) == [("alloc", 0), ("alloc", OOM)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -16,6 +16,7 @@ HEADER = REPO / "libcgpu" / "region.h"
 
 STRUCTS = {
     "cgpu_gpu": region.GpuEntry,
+    "cgpu_seen": region.SeenEntry,
     "cgpu_control": region.ControlLayout,
     "cgpu_proc_gpu": region.ProcGpu,
     "cgpu_proc": region.ProcSlot,
@@ -27,6 +28,7 @@ CONSTANTS: dict[str, int | str] = {
     "CGPU_REGION_VERSION": region.VERSION,
     "CGPU_MAX_GPUS": region.MAX_GPUS,
     "CGPU_MAX_PROCS": region.MAX_PROCS,
+    "CGPU_MAX_SEEN": region.MAX_SEEN,
     "CGPU_ID_LEN": region.ID_LEN,
     "CGPU_PATH_LEN": region.PATH_LEN,
     "CGPU_UUID_LEN": region.UUID_LEN,

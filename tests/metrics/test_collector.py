@@ -46,6 +46,8 @@ def registry(known_snapshot: Snapshot) -> CollectorRegistry:
         ("cgpu_container_highprio", ABC, 0),
         ("cgpu_container_processes", ABC, 2),
         ("cgpu_container_unmanaged_processes", ABC, 1),
+        ("cgpu_container_bypass_stops_total", ABC, 2),
+        ("cgpu_container_bypass_stops_total", TRAIN, 0),
         ("cgpu_container_util_limit_ratio", TRAIN, 0.5),
         ("cgpu_container_util_limit_ratio", ABC, 0),
         ("cgpu_container_memory_limit_bytes", TRAIN, 15109 << 20),
