@@ -250,21 +250,27 @@ class Grandfather:
             del self._held[key]
 
 
-def stop_process(pid: int, *, oom_script: str = "", env: Mapping[str, str] | None = None,
+def stop_process(pid: int, *, oom_script: str = "", owner: kernelview.Owner | None = None,
+                 env: Mapping[str, str] | None = None,
                  timeout: float = OOM_SCRIPT_TIMEOUT,
                  runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
                  kill: Callable[[], None] | None = None) -> None:
     """Stop a process over its container's limit: in eGPU mode its container's
-    OOM script first, run inside the container (`cgpu_km.container.nsexec`), then SIGKILL
-    (`kill`, when the caller holds a pidfd of the process).
+    OOM script first, run inside the container `owner` names, under its
+    sandbox (`cgpu_km.container.nsexec`), then SIGKILL (`kill`, when the
+    caller holds a pidfd of the process).
 
     Blocking (up to `timeout` and a little); the daemon calls it in a task of
     its own, never where the heartbeat or the scheduler would wait."""
-    if oom_script:
+    if oom_script and owner is None:
+        log.warning("OOM script %s for pid %d not run: its container's identity is unknown",
+                    oom_script, pid)
+    elif oom_script and owner is not None:
         extra = [f"--env={k}={v}" for k, v in sorted((env or {}).items())]
         try:
             result = runner([sys.executable, "-m", "cgpu_km.container.nsexec", f"--pid={pid}",
-                             f"--timeout={timeout}", *extra, "--", oom_script],
+                             f"--owner={owner.to_json()}", f"--timeout={timeout}", *extra,
+                             "--", oom_script],
                             capture_output=True, text=True, timeout=timeout + 10, check=False,
                             stdin=subprocess.DEVNULL)
             if result.returncode != 0:

@@ -195,7 +195,7 @@ class RegionPlane:
             script = entry.region.oom_script if oom_script and entry.region.mode == "egpu" \
                 else ""
             usage = sum(p.mem[k] for p in entry.region.processes())
-            backstop.stop_process(pid, oom_script=script, env={
+            backstop.stop_process(pid, oom_script=script, owner=entry.owner, env={
                 "CGPU_OOM_CONTAINER": entry.name, "CGPU_OOM_GPU": str(k),
                 "CGPU_OOM_LIMIT": str(entry.region.limit(k)), "CGPU_OOM_USAGE": str(usage),
                 "CGPU_OOM_PID": str(info.inner_pid)}, kill=lambda: signal.pidfd_send_signal(

@@ -23,6 +23,8 @@
  *   forge-own PID PIDNS MEM      rewrite this process's slot: pid, pid namespace, GPU 0 bytes
  *   forge I PID PIDNS START MEM  write slot I as a live slot of someone else
  *   zero                         every slot's bytes held set to 0 (the account "reset")
+ *   syscalls                     unshare(CLONE_NEWUSER) and keyctl(GET_KEYRING_ID): "ok" or
+ *                                the errno name of each
  *   fuzz SECONDS SEED [slots]    random bytes at random offsets of the account part; with
  *                                "slots", also slots made to look live, waiting, watching
  *                                and answering closes with random figures, the doorbell
@@ -36,6 +38,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -252,6 +255,14 @@ static void cmd_zero(void)
     printf("zero lines=%d\n", zeroed);
 }
 
+static void cmd_syscalls(void)
+{
+    const char *unshared = unshare(CLONE_NEWUSER) == 0 ? "ok" : errno_name(errno);
+    /* KEYCTL_GET_KEYRING_ID (0) of KEY_SPEC_SESSION_KEYRING (-3), not creating it */
+    const char *keyctl = syscall(SYS_keyctl, 0, -3, 0) >= 0 ? "ok" : errno_name(errno);
+    printf("syscalls unshare=%s keyctl=%s\n", unshared, keyctl);
+}
+
 static uint64_t next_random(uint64_t *state)
 {
     uint64_t x = *state;
@@ -421,6 +432,8 @@ static void run(char *line)
     } else if (strcmp(op, "forge") == 0) {
         cmd_forge(atoi(ARG(1)), atoi(ARG(2)), strtoull(ARG(3), NULL, 0),
                   strtoull(ARG(4), NULL, 0), strtoull(ARG(5), NULL, 0));
+    } else if (strcmp(op, "syscalls") == 0) {
+        cmd_syscalls();
     } else if (strcmp(op, "zero") == 0) {
         cmd_zero();
     } else if (strcmp(op, "fuzz") == 0) {

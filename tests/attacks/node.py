@@ -52,7 +52,7 @@ NOBODY = 65534
 GPU_LIBS = "/usr/lib/x86_64-linux-gnu"
 APPLETS = ("sh", "cat", "dd", "id", "readlink", "sleep", "echo", "mv", "mkdir", "ls", "rm",
            "cp", "chmod", "printf", "grep", "head", "umount", "truncate", "touch", "stat",
-           "date", "true")
+           "date", "true", "unshare")
 # Docker's default capabilities: what root in a container has (no CAP_SYS_ADMIN).
 DOCKER_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD",
                "CAP_NET_RAW", "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP",
@@ -381,8 +381,9 @@ class Node:
         """`echo VALUE > TREE/relpath`, as the operator does."""
         self.sim.echo(relpath, value)
 
-    def start_daemon(self) -> None:
-        self.sim.start_daemon()
+    def start_daemon(self, *extra: str) -> None:
+        """The real `cgpu-daemon` (`extra`: more of its options)."""
+        self.sim.start_daemon(0.02, *extra)
 
     def daemon_alive(self) -> bool:
         return self.sim.daemon is not None and self.sim.daemon.poll() is None
@@ -416,9 +417,11 @@ class Node:
                 *(f"{key}={self.env[key]}" for key in keep)]
 
     def container(self, env: Mapping[str, str], *, user: int = NOBODY,
-                  files: Mapping[str, str] | None = None) -> Container:
+                  files: Mapping[str, str] | None = None,
+                  seccomp: Mapping[str, object] | None = None) -> Container:
         """Start a container (`runc run --detach`, init `sleep`) with the hook and `env`;
-        `files` are written into its rootfs first (path -> text, executable)."""
+        `files` are written into its rootfs first (path -> text, executable); `seccomp`
+        is its config.json's `linux.seccomp`."""
         container_id = uuid.uuid4().hex
         bundle = self.base / container_id
         rootfs, out = bundle / "rootfs", bundle / "out"
@@ -431,7 +434,12 @@ class Node:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
             target.chmod(0o755)
-        (bundle / "config.json").write_text(json.dumps(self._config(bundle, env, user)))
+        config = self._config(bundle, env, user)
+        if seccomp is not None:
+            linux = config["linux"]
+            assert isinstance(linux, dict)
+            linux["seccomp"] = dict(seccomp)
+        (bundle / "config.json").write_text(json.dumps(config))
         container = Container(self, container_id, bundle, rootfs, out, user)
         self.containers.append(container)
         assert RUNC is not None

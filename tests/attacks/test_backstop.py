@@ -55,17 +55,35 @@ def stopped_or_refused(proc: Proc, answer: str) -> None:
 
 def test_a_process_that_rewrites_its_slot_is_still_counted_and_stopped(node: Node) -> None:
     """Attack 4(a): a process holding GPU memory rewrites its own slot (pid 1, a made-up pid
-    namespace, nothing held), then allocates past its limit."""
-    node.start_daemon()
+    namespace, nothing held). It is counted by its host pid all the same, and since it no
+    longer has a slot of its own, it is stopped as a process that bypassed libcgpu; a
+    container that only reports bypasses has its allocation past the limit refused by
+    what the daemon saw it hold, or the process stopped by the backstop."""
     container = node.container(cgpu_mem(512))
+    node.start_daemon()
+    attacker = container.proc()
+    assert attacker.ask(f"alloc {300 * MIB}") == "alloc rc=0"
+    assert attacker.ask("forge-own 1 4026539999 0") == "forge-own ok"
+    assert attacker.wait(BACKSTOP_WINDOW * 10) == STOPPED
+    assert "holds GPU memory without libcgpu (not scheduled): stopping it" in \
+        node.sim.daemon_log()
+    assert attacker.host_pid not in node.nvml_processes()
+
+
+def test_a_process_that_rewrites_its_slot_cannot_allocate_past_the_limit(node: Node) -> None:
+    """Attack 4(a) where bypasses are only reported: the rewritten slot says nothing is
+    held, but the process's own count (in its private memory) and what the daemon saw
+    say 300 MiB."""
+    container = node.container(cgpu_mem(512))
+    node.start_daemon("--report-bypass", container.id12)
     attacker = container.proc()
     assert attacker.ask(f"alloc {300 * MIB}") == "alloc rc=0"
     assert attacker.ask("forge-own 1 4026539999 0") == "forge-own ok"
     wait_for(lambda: node.meminfo(container) == (212 * MIB, {attacker.host_pid: 300 * MIB}), 3,
              "meminfo listing the process by its host pid")
-    stopped_or_refused(attacker, attacker.ask(f"alloc {300 * MIB}"))
-    assert over_limit_logged(node, container)
-    assert attacker.host_pid not in node.nvml_processes()
+    assert attacker.ask(f"alloc {300 * MIB}") == "alloc rc=2"
+    assert attacker.alive()
+    assert node.nvml_processes()[attacker.host_pid] == 300 * MIB
 
 
 def test_a_forged_slot_naming_a_neighbour_stops_nobody(node: Node) -> None:
@@ -151,23 +169,3 @@ def test_the_context_charge_is_measured_and_a_process_at_its_limit_is_not_stoppe
     assert proc.alive()
     assert proc.ask("info") == f"info free=0 total={1024 * MIB} rc=0"
     assert not over_limit_logged(node, container)
-
-
-@pytest.mark.parametrize("move", [
-    "mv /run/cgpu /run/elsewhere",  # libcgpu loads but finds no region
-    "mv /etc /etc.image && mkdir /etc",  # the loader finds no ld.so.preload
-], ids=["region", "preload"])
-def test_moving_the_mounts_away_only_bypasses_libcgpu_and_the_backstop_stops_it(
-    node: Node, move: str
-) -> None:
-    """Root inside renames a folder above the read-only mounts (the folders are the image's
-    own, not mount points) and runs with an empty CGPU_REGION: libcgpu finds no region, or
-    is not loaded at all. Like any process that bypasses libcgpu (a static binary, its own
-    loader), it is then counted from NVML and stopped by the backstop: memory holds; compute
-    sharing with such a process is cooperative (docs/operator/security.md)."""
-    node.start_daemon()
-    container = node.container(cgpu_mem(256), user=0)
-    assert container.sh(f"{move} && echo moved").strip() == "moved"
-    proc = container.proc(env={"CGPU_REGION": ""})
-    stopped_or_refused(proc, proc.ask(f"alloc {300 * MIB}"))
-    assert proc.host_pid not in node.nvml_processes()

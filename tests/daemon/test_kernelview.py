@@ -125,7 +125,9 @@ def test_grandfathered_limit_is_never_below_the_limit(limit: int, usage: int) ->
 
 
 def test_nsexec_refuses_a_process_that_is_gone() -> None:
+    owner = kernelview.Owner(pidns=1, cgroups={}).to_json()
     result = subprocess.run([sys.executable, "-m", "cgpu_km.container.nsexec", "--pid", "999999999",
-                             "--", "true"], capture_output=True, text=True, timeout=30)
+                             "--owner", owner, "--", "true"], capture_output=True, text=True,
+                            timeout=30)
     assert result.returncode == 125
     assert "cannot enter the container of pid 999999999" in result.stderr
