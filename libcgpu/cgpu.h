@@ -49,7 +49,8 @@ static inline struct cgpu_proc *cgpu_slot(void)
 int cgpu_reserve(int g, uint64_t size) CGPU_HIDDEN;
 /* Give back bytes reserved earlier (never below zero). */
 void cgpu_unreserve(int g, uint64_t size) CGPU_HIDDEN;
-/* Container-wide bytes in use on GPU g (sum of the slots). */
+/* Container-wide bytes in use on GPU g: the sum of the slots, or what the
+ * daemon saw the others hold plus this process's own count when more. */
 uint64_t cgpu_usage(int g) CGPU_HIDDEN;
 /* Zero the slots of processes that are gone; returns how many. */
 int cgpu_reclaim_dead(void) CGPU_HIDDEN;

@@ -379,6 +379,8 @@ struct cgpu_proc *cgpu_slot_claim(void)
     return mine;
 }
 
+static uint64_t seen_others(const struct cgpu_control *c, int g, int living);
+
 uint64_t cgpu_usage(int g)
 {
     struct cgpu_account *r = cgpu_account_ptr;
@@ -388,7 +390,12 @@ uint64_t cgpu_usage(int g)
     uint32_t n = slots_used(r);
     for (uint32_t i = 0; i < n; i++)
         total += __atomic_load_n(&r->proc[i].gpu[g].mem, __ATOMIC_SEQ_CST);
-    return total;
+    /* what the daemon saw, when the account says less (it was rewritten) */
+    const struct cgpu_control *c = cgpu_region_ptr;
+    uint64_t seen = c != NULL ? seen_others(c, g, 1) + __atomic_load_n(&my_bytes[g],
+                                                                       __ATOMIC_RELAXED)
+                              : 0;
+    return seen > total ? seen : total;
 }
 
 /* Sum of all slots and of the other slots' in-flight reservations. */

@@ -340,9 +340,10 @@ def test_what_the_daemon_saw_bounds_an_allocation_whatever_the_account_says(
         assert region.seen_rounds == 1
         assert region.usage(0) == 0
         result = sandbox.workload("alloc", str(24 * MiB + 1), "alloc", str(24 * MiB),
-                                  "alloc", "1", "free", "alloc", str(16 * MiB))
+                                  "alloc", "1", "free", "alloc", str(16 * MiB), "info")
         assert rcs(result) == [("alloc", OOM), ("alloc", 0), ("alloc", OOM), ("free", 0),
-                               ("alloc", 0)]
+                               ("alloc", 0), ("info", 0)]
+        assert f"info free={8 * MiB} total={64 * MiB} " in result.stdout  # 40 + 16 held
         region.publish_seen([])  # the holder is gone from NVML: the whole limit again
         assert rcs(sandbox.workload("alloc", str(64 * MiB))) == [("alloc", 0)]
     finally:
