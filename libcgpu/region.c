@@ -442,8 +442,8 @@ static void backoff(unsigned attempt)
 
 /* The bytes of the container's other processes on GPU g as the daemon last
  * saw them; with `living`, only of those still running. 0 when the daemon
- * has published nothing yet. A seqlock read: retried while the daemon
- * writes (a few microseconds), then taken as it is. */
+ * has published nothing for CGPU_SEEN_MAX_AGE_NS. A seqlock read: retried
+ * while the daemon writes (a few microseconds), then taken as it is. */
 static uint64_t seen_others(const struct cgpu_control *c, int g, int living)
 {
     pid_t me = getpid();
@@ -454,6 +454,9 @@ static uint64_t seen_others(const struct cgpu_control *c, int g, int living)
             sched_yield();
             continue;
         }
+        uint64_t at = __atomic_load_n(&c->seen_ns, __ATOMIC_RELAXED), now = cgpu_now_ns();
+        if (at == 0 || (now > at && now - at > CGPU_SEEN_MAX_AGE_NS))
+            return 0;
         uint32_t n = __atomic_load_n(&c->nseen, __ATOMIC_RELAXED);
         total = __atomic_load_n(&c->seen_rest[g], __ATOMIC_RELAXED);
         for (uint32_t i = 0; i < n && i < CGPU_MAX_SEEN; i++) {

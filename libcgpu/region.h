@@ -63,6 +63,9 @@
 #define CGPU_MAX_GPUS 16
 #define CGPU_MAX_PROCS 256
 #define CGPU_MAX_SEEN 256 /* control.seen entries: the container's GPU processes per NVML */
+/* A publication older than this is not believed (no daemon, or its memory
+ * service is stuck): then, as without a daemon, only the account counts. */
+#define CGPU_SEEN_MAX_AGE_NS 5000000000ULL
 #define CGPU_ID_LEN 72
 #define CGPU_PATH_LEN 256
 #define CGPU_UUID_LEN 96
@@ -138,8 +141,9 @@ struct cgpu_control {
     /* Version 4: what the daemon saw, under the seqlock seen_seq. */
     uint64_t seen_seq;       /* odd while the daemon writes seen */
     uint64_t seen_rounds;    /* publications so far */
+    uint64_t seen_ns;        /* when published; older than CGPU_SEEN_MAX_AGE_NS is ignored */
     uint32_t nseen;          /* seen[0..nseen) are valid */
-    uint32_t seen_reserved;
+    uint32_t seen_reserved;  /* 0 */
     uint64_t seen_rest[CGPU_MAX_GPUS]; /* bytes of processes past CGPU_MAX_SEEN */
     struct cgpu_seen seen[CGPU_MAX_SEEN];
 };
@@ -194,7 +198,7 @@ struct cgpu_account {
 _Static_assert(sizeof(struct cgpu_gpu) == 256, "cgpu_gpu layout");
 _Static_assert(sizeof(struct cgpu_seen) == 32, "cgpu_seen layout");
 _Static_assert(sizeof(struct cgpu_control) ==
-                   512 + 256 * CGPU_MAX_GPUS + 24 + 8 * CGPU_MAX_GPUS + 32 * CGPU_MAX_SEEN,
+                   512 + 256 * CGPU_MAX_GPUS + 32 + 8 * CGPU_MAX_GPUS + 32 * CGPU_MAX_SEEN,
                "cgpu_control layout");
 _Static_assert(sizeof(struct cgpu_proc_gpu) == 128, "cgpu_proc_gpu layout");
 _Static_assert(sizeof(struct cgpu_proc) == 64 + 128 * CGPU_MAX_GPUS, "cgpu_proc layout");

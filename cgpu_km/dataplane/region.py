@@ -37,6 +37,7 @@ VERSION = 4
 MAX_GPUS = 16
 MAX_PROCS = 256
 MAX_SEEN = 256  # processes the daemon lists in control.seen
+SEEN_MAX_AGE_NS = 5_000_000_000  # libcgpu does not believe an older publication
 ID_LEN = 72
 PATH_LEN = 256
 UUID_LEN = 96
@@ -113,6 +114,7 @@ class ControlLayout(ctypes.Structure):
         ("gpu", GpuEntry * MAX_GPUS),
         ("seen_seq", ctypes.c_uint64),
         ("seen_rounds", ctypes.c_uint64),
+        ("seen_ns", ctypes.c_uint64),
         ("nseen", ctypes.c_uint32),
         ("seen_reserved", ctypes.c_uint32),
         ("seen_rest", ctypes.c_uint64 * MAX_GPUS),
@@ -553,10 +555,11 @@ class Region:
 
     # -- what the daemon saw --
 
-    def publish_seen(self, seen: Sequence[Seen]) -> None:
+    def publish_seen(self, seen: Sequence[Seen], now_ns: int | None = None) -> None:
         """Publish what the container's processes hold as the kernel's view saw
-        it (libcgpu admits an allocation only if this leaves room too). Under
-        the seqlock `seen_seq`; one writer (the daemon's memory service)."""
+        it (libcgpu admits an allocation only if this leaves room too, for
+        SEEN_MAX_AGE_NS). Under the seqlock `seen_seq`; one writer (the
+        daemon's memory service)."""
         control = self._control
         rest = [0] * MAX_GPUS
         control.seen_seq += 1  # odd: readers retry
@@ -572,6 +575,7 @@ class Region:
         control.nseen = min(len(seen), MAX_SEEN)
         for k in range(MAX_GPUS):
             control.seen_rest[k] = rest[k]
+        control.seen_ns = time.monotonic_ns() if now_ns is None else now_ns
         control.seen_seq += 1
         control.seen_rounds += 1
 

@@ -346,6 +346,11 @@ def test_what_the_daemon_saw_bounds_an_allocation_whatever_the_account_says(
         assert f"info free={8 * MiB} total={64 * MiB} " in result.stdout  # 40 + 16 held
         region.publish_seen([])  # the holder is gone from NVML: the whole limit again
         assert rcs(sandbox.workload("alloc", str(64 * MiB))) == [("alloc", 0)]
+        # a publication too old to believe (no daemon any more): the account alone counts
+        region.publish_seen([held], now_ns=time.monotonic_ns() - region_mod.SEEN_MAX_AGE_NS - 1)
+        assert rcs(sandbox.workload("alloc", str(64 * MiB))) == [("alloc", 0)]
+        region.publish_seen([held])
+        assert rcs(sandbox.workload("alloc", str(64 * MiB))) == [("alloc", OOM)]
     finally:
         holder.kill()
         holder.wait()

@@ -29,6 +29,7 @@ CONSTANTS: dict[str, int | str] = {
     "CGPU_MAX_GPUS": region.MAX_GPUS,
     "CGPU_MAX_PROCS": region.MAX_PROCS,
     "CGPU_MAX_SEEN": region.MAX_SEEN,
+    "CGPU_SEEN_MAX_AGE_NS": region.SEEN_MAX_AGE_NS,
     "CGPU_ID_LEN": region.ID_LEN,
     "CGPU_PATH_LEN": region.PATH_LEN,
     "CGPU_UUID_LEN": region.UUID_LEN,
