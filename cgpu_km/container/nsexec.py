@@ -54,7 +54,7 @@ WALL = 0x40000000  # __WALL: wait for a tracee that is not our child
 SOCK_FILTER_SIZE = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
 CAP_LAST_CAP_PATH = "/proc/sys/kernel/cap_last_cap"
 CGROUP_ROOT = "/sys/fs/cgroup"
-UNCONFINED = ("", "unconfined", "kernel")  # AppArmor's and SELinux's "no profile"
+UNCONFINED = ("", "unconfined")  # no label, or AppArmor's "no profile"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.ptrace.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
