@@ -561,18 +561,15 @@ class Region:
         SEEN_MAX_AGE_NS). Under the seqlock `seen_seq`; one writer (the
         daemon's memory service)."""
         control = self._control
+        valid = [item for item in seen if 0 <= item.gpu < MAX_GPUS]
         rest = [0] * MAX_GPUS
+        for item in valid[MAX_SEEN:]:
+            rest[item.gpu] += item.bytes
         control.seen_seq += 1  # odd: readers retry
-        for i, item in enumerate(seen):
-            if not 0 <= item.gpu < MAX_GPUS:
-                continue
-            if i >= MAX_SEEN:
-                rest[item.gpu] += item.bytes
-                continue
-            entry = control.seen[i]
+        for entry, item in zip(control.seen, valid[:MAX_SEEN], strict=False):
             entry.pidns, entry.pid, entry.gpu = item.pidns, item.pid, item.gpu
             entry.start_time, entry.bytes = item.start_time, item.bytes
-        control.nseen = min(len(seen), MAX_SEEN)
+        control.nseen = min(len(valid), MAX_SEEN)
         for k in range(MAX_GPUS):
             control.seen_rest[k] = rest[k]
         control.seen_ns = time.monotonic_ns() if now_ns is None else now_ns
@@ -583,6 +580,10 @@ class Region:
     def seen_rounds(self) -> int:
         """How many times the daemon published what it saw."""
         return int(self._control.seen_rounds)
+
+    def seen_total(self, k: int) -> int:
+        """Bytes the daemon saw the container hold on container GPU k."""
+        return sum(e.bytes for e in self.seen() if e.gpu == k) + int(self._control.seen_rest[k])
 
     def seen(self) -> list[Seen]:
         """The published processes (the daemon's own view; it is the only writer)."""

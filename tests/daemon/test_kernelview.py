@@ -131,3 +131,16 @@ def test_nsexec_refuses_a_process_that_is_gone() -> None:
                             timeout=30)
     assert result.returncode == 125
     assert "cannot enter the container of pid 999999999" in result.stderr
+
+
+@pytest.mark.parametrize("owner", ["", "[]", '{"cgroups": {}}', '{"pidns": "x", "cgroups": {}}',
+                                   '{"pidns": 1, "cgroups": {"0::": 5}}'])
+def test_nsexec_refuses_an_owner_that_is_no_identity(owner: str, tmp_path: Path) -> None:
+    """Without the container's identity nothing runs: one line names --owner."""
+    marker = tmp_path / "ran"
+    result = subprocess.run([sys.executable, "-m", "cgpu_km.container.nsexec",
+                             f"--pid={os.getpid()}", f"--owner={owner}", "--", "touch",
+                             str(marker)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "--owner is not a container identity" in result.stderr.splitlines()[-1]
+    assert not marker.exists()

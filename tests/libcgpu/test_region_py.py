@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cgpu_km.dataplane import futex
 from cgpu_km.dataplane import region as region_mod
@@ -245,3 +247,26 @@ def test_context_charge_defaults_to_measured(monkeypatch: pytest.MonkeyPatch) ->
     assert region_mod.default_ctx_bytes({region_mod.CTX_BYTES_ENV: "1024"}) == 1024
     with pytest.raises(RegionError, match="not a number of bytes"):
         region_mod.default_ctx_bytes({region_mod.CTX_BYTES_ENV: "1GiB"})
+
+
+SEEN = st.builds(region_mod.Seen, gpu=st.integers(-2, region_mod.MAX_GPUS + 1),
+                 pidns=st.integers(0, 2**64 - 1), pid=st.integers(0, 2**31 - 1),
+                 start_time=st.integers(0, 2**64 - 1), bytes=st.integers(0, 2**40))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rounds=st.lists(st.lists(SEEN, max_size=region_mod.MAX_SEEN + 40), min_size=1,
+                       max_size=3))
+def test_what_the_daemon_saw_reads_back_whatever_it_publishes(
+    tmp_path_factory: pytest.TempPathFactory, rounds: list[list[region_mod.Seen]]
+) -> None:
+    """Each round replaces the last; past MAX_SEEN processes only their bytes are kept (for
+    everyone to count), and a GPU the region cannot hold is dropped."""
+    with make(tmp_path_factory.mktemp("seen")) as region:
+        for published in rounds:
+            region.publish_seen(published)
+            valid = [s for s in published if 0 <= s.gpu < region_mod.MAX_GPUS]
+            assert region.seen() == valid[:region_mod.MAX_SEEN]
+            for k in range(region_mod.MAX_GPUS):
+                assert region.seen_total(k) == sum(s.bytes for s in valid if s.gpu == k)
+        assert region.seen_rounds == len(rounds)
