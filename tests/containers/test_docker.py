@@ -6,6 +6,8 @@ removed after each test."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -13,15 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.container.oci.settings import CONFIG_ENV
+from cgpu_km import paths
+from cgpu_km.container.oci.settings import CONFIG_ENV, DEFAULT_PATH
 from cgpu_km.demo.dockerd import PrivateDocker
 from tests.containers.conftest import Image
 from tests.containers.helpers import (
     CUDA_OOM,
+    DEVICES,
     IMAGE,
     LIMIT_6_OF_15,
     NOTHING,
     UUIDS,
+    VENV_BIN,
     WRAPPER,
     SimHost,
     missing,
@@ -170,3 +175,49 @@ def test_wrapper_error_reaches_docker_and_stopping_still_works(
     assert f"cgpu-container-runtime: {runtime_config}: extra: unknown key" in result.stderr
     assert docker.docker("rm", "-f", "before").returncode == 0  # delete goes through
     assert sim.registered() == NOTHING
+
+
+@contextlib.contextmanager
+def running_daemon(sim: SimHost) -> Iterator[Path]:
+    """The real `cgpu-daemon` of the simulated host (its log's path)."""
+    log = sim.folder / "daemon.log"
+    state = sim.folder / "daemon"
+    env = {"PATH": DEFAULT_PATH, "CGPU_SIMULATE": "1",
+           "CGPU_SIMGPU_DIR": str(paths.simgpu_dir()), "SIMGPU_STATE": str(sim.state),
+           "SIMGPU_DEVICES": DEVICES, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    with log.open("ab") as out:
+        daemon = subprocess.Popen(
+            [str(VENV_BIN / "cgpu-daemon"), "--root", str(sim.tree), "--region-dir",
+             str(sim.regions), "--state-dir", str(state), "--period", "0.05"],
+            env=env, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "snapshot.json").exists():
+            assert daemon.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the daemon published no snapshot"
+            time.sleep(0.05)
+        yield log
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+
+
+def test_a_process_that_bypasses_libcgpu_is_stopped(docker: PrivateDocker, sim: SimHost) -> None:
+    """Issue 19, item 3, under Docker: root in the container moves /run/cgpu away and runs
+    a CUDA program without its region (CGPU_REGION empty). The daemon SIGKILLs it; the
+    container's own process, which holds 1 GiB through libcgpu, keeps running."""
+    with running_daemon(sim) as log:
+        dockerid = run_detached(docker, "gpu_bypass", *CGPU_6_OF_15, "-e",
+                                "NVIDIA_VISIBLE_DEVICES=0")
+        assert "ready pid=" in wait_for_log(docker, "gpu_bypass", "ready pid=")
+        rogue = docker.docker(
+            "exec", "gpu_bypass", "sh", "-c", "busybox mv /run/cgpu /run/elsewhere && "
+            "CGPU_REGION= exec cuworkload --alloc 64MiB --hold 120", timeout=150)
+        assert rogue.returncode == 137, rogue.stdout + rogue.stderr  # SIGKILL
+        assert f"container {dockerid} on GPU 0: pid " in log.read_text()
+        assert "holds GPU memory without libcgpu (not scheduled): stopping it" in \
+            log.read_text()
+        state = docker.check("inspect", "--format", "{{.State.Running}}", "gpu_bypass")
+        assert state.strip() == "true"
+        assert docker.check("exec", "gpu_bypass", "nvidia-smi", "--query-gpu=memory.used",
+                            "--format=csv,noheader,nounits") == "1024\n"
