@@ -34,7 +34,8 @@ uint32_t cgpu_launching[CGPU_MAX_GPUS];
 static pthread_once_t region_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER; /* process-local */
 static uint64_t my_pidns;
-static uint64_t my_start;            /* this process's start time, read at its slot's claim */
+static pid_t my_pid;                 /* this process's pid and start time, read at its */
+static uint64_t my_start;            /* slot's claim */
 /* What this process holds per GPU by its own count: the account part can be
  * rewritten by the container, this copy only by the process itself. */
 static uint64_t my_bytes[CGPU_MAX_GPUS];
@@ -229,6 +230,7 @@ static void after_fork_child(void)
     __atomic_store_n(&cgpu_slot_ptr, NULL, __ATOMIC_RELEASE);
     pthread_mutex_init(&claim_lock, NULL);
     memset(my_bytes, 0, sizeof my_bytes); /* the parent's memory is the parent's */
+    my_pid = 0;
     my_start = 0;
     memset(cgpu_launching, 0, sizeof cgpu_launching);
     cgpu_watch_after_fork();
@@ -355,6 +357,7 @@ struct cgpu_proc *cgpu_slot_claim(void)
             continue;
         slot_zero_usage(s);
         s->start_time = start;
+        my_pid = pid;
         my_start = start;
         s->pidns = my_pidns;
         s->attach_ns = cgpu_now_ns();
@@ -446,7 +449,6 @@ static void backoff(unsigned attempt)
  * while the daemon writes (a few microseconds), then taken as it is. */
 static uint64_t seen_others(const struct cgpu_control *c, int g, int living)
 {
-    pid_t me = getpid();
     uint64_t total = 0;
     for (unsigned attempt = 0; attempt < 1000; attempt++) {
         uint64_t seq = __atomic_load_n(&c->seen_seq, __ATOMIC_ACQUIRE);
@@ -454,16 +456,18 @@ static uint64_t seen_others(const struct cgpu_control *c, int g, int living)
             sched_yield();
             continue;
         }
+        uint32_t n = __atomic_load_n(&c->nseen, __ATOMIC_RELAXED);
+        total = __atomic_load_n(&c->seen_rest[g], __ATOMIC_RELAXED);
+        if (n == 0 && total == 0)
+            return 0; /* nothing seen: no need to ask the clock */
         uint64_t at = __atomic_load_n(&c->seen_ns, __ATOMIC_RELAXED), now = cgpu_now_ns();
         if (at == 0 || (now > at && now - at > CGPU_SEEN_MAX_AGE_NS))
             return 0;
-        uint32_t n = __atomic_load_n(&c->nseen, __ATOMIC_RELAXED);
-        total = __atomic_load_n(&c->seen_rest[g], __ATOMIC_RELAXED);
         for (uint32_t i = 0; i < n && i < CGPU_MAX_SEEN; i++) {
             const struct cgpu_seen *e = &c->seen[i];
             if (e->gpu != (uint32_t)g)
                 continue;
-            if (e->pid == me && e->pidns == my_pidns && e->start_time == my_start)
+            if (e->pid == my_pid && e->pidns == my_pidns && e->start_time == my_start)
                 continue; /* this process: counted by its own count */
             if (living && !process_alive(e->pid, e->pidns, e->start_time))
                 continue;

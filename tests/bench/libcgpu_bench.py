@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ class Case:
     column: int  # which number of bench's output line
     kind: str  # "added" (ns) or "loss" (throughput)
     target: str
+    seen: int = 0  # other processes the daemon published in the region (each allocation sums them)
 
 
 CASES = (
@@ -49,6 +51,8 @@ CASES = (
     Case("throughput, 50 us kernels", "simgpu", ("launch", "2000", "sleep_50"), 1, "loss",
          "< 1 %"),
     Case("cuMemAlloc + cuMemFree", "null", ("alloc", "200000", "4096"), 0, "added", "-"),
+    Case(f"... {region_mod.MAX_SEEN} processes seen", "null", ("alloc", "200000", "4096"), 0,
+         "added", "-", seen=region_mod.MAX_SEEN),
     Case("cuMemAlloc + cuMemFree", "simgpu", ("alloc", "20000", str(1 << 20)), 0, "added",
          "-"),
 )
@@ -70,7 +74,15 @@ def build(tmp: Path) -> dict[str, Path]:
     return {"bench": bench, "null": null_dir, "simgpu": SIMGPU}
 
 
-def measure(paths: dict[str, Path], tmp: Path, case: Case, with_library: bool) -> float:
+def publish_seen(region: region_mod.Region, count: int) -> None:
+    """`count` other processes of the container, 1 byte each, as the daemon publishes them."""
+    pidns = os.stat("/proc/self/ns/pid").st_ino
+    region.publish_seen([region_mod.Seen(0, pidns, 1 + i, 0, 1) for i in range(count)])
+
+
+def measure(paths: dict[str, Path], tmp: Path, region: region_mod.Region, case: Case,
+            with_library: bool) -> float:
+    publish_seen(region, case.seen)
     env = {
         "PATH": "/usr/bin:/bin",
         "LD_LIBRARY_PATH": str(paths[case.driver]),
@@ -103,8 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cgpu-bench-") as name:
         tmp = Path(name)
         paths = build(tmp)
-        region_mod.Region.create(tmp / "bench.region", "bench",
-                                 [region_mod.GpuSpec(limit=8 << 30)]).close()
+        region = region_mod.Region.create(tmp / "bench.region", "bench",
+                                          [region_mod.GpuSpec(limit=8 << 30)])
         print("libcgpu: cost with the library (region present, gate open) against without,")
         print(f"median of {args.rounds} alternating rounds; ns per operation")
         header = f"{'case':<30} {'driver':<7} {'without':>10} {'with':>10} {'added':>10} " \
@@ -112,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(header)
         print("-" * len(header))
         for case in CASES:
-            base, lib = median_pair(functools.partial(measure, paths, tmp, case), args.rounds)
+            base, lib = median_pair(functools.partial(measure, paths, tmp, region, case),
+                                    args.rounds)
             if case.kind == "loss":
                 loss = (1 - base / lib) * 100  # throughput = 1 / time per kernel
                 added = f"{loss:+.2f} %"
@@ -122,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{lib / base:>7.3f}  {case.target:<9}")
         print("null: libcgpu's own cost; simgpu: its driver path (fcntl locks, mmap) varies by")
         print("microseconds between runs, so small differences there are noise.")
+        region.close()
     return 0
 
 
