@@ -2,7 +2,7 @@
 /*
  * cgpu_km: the GPU-sharing control tree in procfs, /proc/cgpu_km.
  *
- * The contract (nodes, modes, values, errno) is ../shared/DESIGN.md, "The
+ * The contract (nodes, modes, values, errno) is docs/design.md, "The
  * control tree"; where it is silent this module follows the Python state
  * model cgpu_km/tree/model.py, which the FUSE tree serves.  The node table comes
  * from cgpu_km/tree/nodes.py through the generated cgpu_km_nodes.h.

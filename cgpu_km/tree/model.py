@@ -7,7 +7,7 @@ carrying the contract's errno, raised before anything changes, so a failed
 write leaves the tree as it was.  The FUSE tree serves this object; the
 kernel module implements the same rules in C from the same node table.
 
-Decisions where ../shared/DESIGN.md is silent (the kernel module follows
+Decisions where the contract (docs/design.md) is silent (the kernel module follows
 them too):
 - Values are ASCII decimal digits with optional surrounding ASCII
   whitespace; a sign, `0x`, or more than `VALUE_WRITE_MAX` bytes is EINVAL.

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Conformance suite for the cgpu_km control tree (../shared/DESIGN.md).
+# Conformance suite for the cgpu_km control tree (docs/design.md).
 #
 # Written for busybox sh using only sh, echo, cat, ls and test, so that the
 # same script checks the FUSE tree on a host and /proc/cgpu_km inside the
