@@ -1,7 +1,10 @@
 # cgpu_km: the two commands are `make demo` and `make test`.
 # Each sets up what it needs (Debian packages, .venv, C builds) on a fresh host.
+# `make check` is the fast tier alone (no root, no mounts), run as a normal user.
 
-PYTHON ?= python3
+# The venv's interpreter must be one every user can run (make check drops to one
+# that is not root): the system's python3 when there is one.
+PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 # Packages every part of the test suite needs; kmod/Makefile adds its own.
@@ -14,8 +17,10 @@ APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd kmod util-l
 	procps python3 python3-venv docker.io containerd podman iptables curl
 
 C_DIRS := simgpu libcgpu
+TIERS := unit integration system
 
-.PHONY: all setup apt venv build demo test test-python test-kmod lint bench clean
+.PHONY: all setup apt venv build $(C_DIRS) demo check test $(TIERS:%=test-%) lint bench \
+	clean $(C_DIRS:%=clean-%) clean-kmod
 
 all: build
 
@@ -30,10 +35,10 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-build:
-	@for d in $(C_DIRS); do \
-		if [ -f $$d/Makefile ]; then $(MAKE) -C $$d || exit 1; fi; \
-	done
+build: $(C_DIRS)
+
+$(C_DIRS):
+	$(MAKE) -C $@
 
 setup: apt venv build
 
@@ -45,19 +50,33 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy kmod/vm/node/checks.py
 
-test-python: setup
-	$(VENV)/bin/pytest -q tests
+# Test tiers: tests/conftest.py gives every test its tier (a table of folders).
+# Each tier has its own per-test timeout; --durations shows the slowest tests.
+PYTEST := $(VENV)/bin/pytest -p no:cacheprovider -q --durations=25
 
-test-kmod:
+# unit: no root, no mounts, no containers; as a normal user (tools/as-user.sh
+# drops root to nobody).
+check: test-unit
+
+test-unit: venv build
+	tools/as-user.sh $(PYTEST) -m unit --timeout=60 tests
+
+# integration: root, FUSE mounts, runc/Docker/podman/containerd, the daemon on simgpu.
+test-integration: setup
+	$(PYTEST) -m integration --timeout=300 tests
+
+# system: the kernel module and the whole node in VMs (kmod/Makefile).
+test-system: setup
 	$(MAKE) -C kmod test
 
-test: setup lint test-python test-kmod
+test: setup lint
+	@MAKE="$(MAKE)" tools/tiers.sh $(TIERS)
 
 bench: setup
 	$(PY) -m tests.bench
 
-clean:
-	@for d in $(C_DIRS) kmod; do \
-		if [ -f $$d/Makefile ]; then $(MAKE) -C $$d clean; fi; \
-	done
-	rm -rf $(VENV) *.egg-info
+clean: $(C_DIRS:%=clean-%) clean-kmod
+	rm -rf $(VENV) *.egg-info build
+
+$(C_DIRS:%=clean-%) clean-kmod: clean-%:
+	$(MAKE) -C $* clean

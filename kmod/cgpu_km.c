@@ -2,7 +2,7 @@
 /*
  * cgpu_km: the GPU-sharing control tree in procfs, /proc/cgpu_km.
  *
- * The contract (nodes, modes, values, errno) is ../shared/DESIGN.md, "The
+ * The contract (nodes, modes, values, errno) is docs/design.md, "The
  * control tree"; where it is silent this module follows the Python state
  * model cgpu_km/tree/model.py, which the FUSE tree serves.  The node table comes
  * from cgpu_km/tree/nodes.py through the generated cgpu_km_nodes.h.
@@ -113,16 +113,16 @@ static struct {
  */
 static unsigned int gpus = 1;
 module_param(gpus, uint, 0444);
-MODULE_PARM_DESC(gpus, "number of GPU directories, 1..16 (default 1)");
+MODULE_PARM_DESC(gpus, CGPU_PARM_DESC_GPUS);
 static int policy = -1;
 module_param(policy, int, 0444);
-MODULE_PARM_DESC(policy, "initial policy of every GPU, 0..5 (default 1)");
+MODULE_PARM_DESC(policy, CGPU_PARM_DESC_POLICY);
 static int max_inst = -1;
 module_param(max_inst, int, 0444);
-MODULE_PARM_DESC(max_inst, "initial max_inst of every GPU, 1..25 (default 16)");
+MODULE_PARM_DESC(max_inst, CGPU_PARM_DESC_MAX_INST);
 static int prio_ratio = -1;
 module_param(prio_ratio, int, 0444);
-MODULE_PARM_DESC(prio_ratio, "initial prio_ratio of every GPU, 20..99 (default 80)");
+MODULE_PARM_DESC(prio_ratio, CGPU_PARM_DESC_PRIO_RATIO);
 static unsigned long long gpu_mem[CGPU_MAX_GPUS];
 static int gpu_mem_count;
 module_param_array(gpu_mem, ullong, &gpu_mem_count, 0444);
@@ -130,16 +130,14 @@ MODULE_PARM_DESC(gpu_mem, "total memory of each GPU in bytes, for meminfo's Free
 
 /* ---- parsing: pure functions, no tree state -------------------------- */
 
-/* The whitespace that surrounds a value (" \t\n\v\f\r"). */
+/*
+ * The contract's whitespace, around values and between command words:
+ * " \t\n\v\f\r" and nothing else (the kernel's isspace() also takes 0xa0;
+ * Python's str.split() takes 0x1c..0x1f too).
+ */
 static bool cgpu_is_space(char c)
 {
 	return c == ' ' || (c >= '\t' && c <= '\r');
-}
-
-/* What separates command words: the above and ASCII 0x1c..0x1f. */
-static bool cgpu_is_separator(char c)
-{
-	return cgpu_is_space(c) || (c >= 0x1c && c <= 0x1f);
 }
 
 /*
@@ -356,7 +354,7 @@ static int cgpu_parse_command(char *buf, size_t len, struct cgpu_cmd *cmd)
 	if (!tok)
 		return -ENOMEM;
 	for (i = 0; i < len; i++) {
-		if (cgpu_is_separator(buf[i])) {
+		if (cgpu_is_space(buf[i])) {
 			buf[i] = '\0';
 		} else if (i == 0 || buf[i - 1] == '\0') {
 			tok[n++] = &buf[i];

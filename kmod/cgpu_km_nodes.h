@@ -17,6 +17,12 @@
 #define CGPU_MAX_GPUS 16
 #define CGPU_INST_CTL_USAGE "usage: <g><id12> | -<id> | add <gpu> <id> [memsize=B] [weight=W] [highprio=0|1] [util_limit=P] | del [<gpu>] <id> | meminfo <gpu> <id> [<pid>=<bytes> ...]\n"
 
+/* MODULE_PARM_DESC of the module parameters. */
+#define CGPU_PARM_DESC_GPUS "number of GPU directories, 1..16 (default 1)"
+#define CGPU_PARM_DESC_POLICY "initial policy of every GPU, 0..5 (default 1)"
+#define CGPU_PARM_DESC_MAX_INST "initial max_inst of every GPU, 1..25 (default 16)"
+#define CGPU_PARM_DESC_PRIO_RATIO "initial prio_ratio of every GPU, 20..99 (default 80)"
+
 enum cgpu_level {
 	CGPU_LEVEL_ROOT,
 	CGPU_LEVEL_GPU,

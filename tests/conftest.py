@@ -1,4 +1,16 @@
-"""Shared fixtures: a real FUSE control tree mounted in a temporary folder."""
+"""The test tiers, and shared fixtures: a real FUSE control tree in a temporary folder.
+
+Every test gets one tier marker here, from `TIERS` (the longest path prefix
+of its id that the table names), so that no test file has to say it:
+
+- unit: no root, no mounts, no containers; `make check` runs it as a normal
+  user, in well under a minute in all.
+- integration: root, FUSE mounts, runc and the container engines, the daemon
+  on simgpu, Prometheus. A test that mounts a tree (it uses `mounted_tree`) is
+  integration wherever it lives. Integration tests are skipped, with that
+  reason, for a user who is not root.
+- system: a VM (the kernel module's and the whole node's, in kmod/Makefile).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,6 +29,63 @@ from cgpu_km.children import stop_child
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+TESTS = Path(__file__).resolve().parent
+
+UNIT, INTEGRATION, SYSTEM = "unit", "integration", "system"
+# Path prefixes relative to tests/, by tier; a file or test named apart from its
+# folder overrides the folder.
+TIERS = {
+    "attacks": INTEGRATION,
+    "containers": INTEGRATION,
+    "daemon": INTEGRATION,
+    "daemon/test_daemon.py": UNIT,
+    "deviceplugin": UNIT,
+    "docs": INTEGRATION,
+    "envplan": UNIT,
+    "fuse": INTEGRATION,
+    "gpu_simulate": INTEGRATION,
+    "hook": UNIT,
+    "hook/test_claims.py": INTEGRATION,
+    "hook/test_runc.py": INTEGRATION,
+    "kmod": UNIT,
+    "libcgpu": INTEGRATION,
+    "libcgpu/test_region_layout.py": UNIT,
+    "libcgpu/test_region_py.py": UNIT,
+    "metrics": UNIT,
+    "metrics/test_daemon_scrape.py": INTEGRATION,
+    "metrics/test_scrape.py": INTEGRATION,
+    "node": UNIT,
+    "oci": UNIT,
+    "run": INTEGRATION,
+    "sched": UNIT,
+    "simgpu": INTEGRATION,
+    "smi": INTEGRATION,
+    "systemd": UNIT,
+    "unit": UNIT,
+}
+MOUNTS = frozenset({"mounted_tree"})  # fixtures that make a test integration
+
+
+def tier_of(nodeid: str, fixtures: Sequence[str] = ()) -> str:
+    """The tier of the test `nodeid` (relative to tests/) that uses `fixtures`."""
+    path = nodeid.split("::")[0]
+    prefixes = [p for p in TIERS if nodeid == p or path == p or path.startswith(p + "/")
+                or nodeid.startswith(p + "::")]
+    if not prefixes:
+        raise LookupError(f"tests/{path}: no tier in tests/conftest.py TIERS")
+    tier = TIERS[max(prefixes, key=len)]
+    return INTEGRATION if tier == UNIT and MOUNTS & set(fixtures) else tier
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    not_root = pytest.mark.skip(reason="integration tier: needs root")
+    for item in items:
+        nodeid = Path(item.path).relative_to(TESTS).as_posix()
+        nodeid += item.nodeid[len(item.nodeid.split("::")[0]):]
+        tier = tier_of(nodeid, getattr(item, "fixturenames", ()))
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == INTEGRATION and os.geteuid() != 0:
+            item.add_marker(not_root)
 
 
 def _unmount(root: Path) -> None:

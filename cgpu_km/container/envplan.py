@@ -1,12 +1,12 @@
 """Turn a container's environment into its GPU allocation (pure).
 
-Implements the "Environment variables" section of ../shared/DESIGN.md: the
+Implements the "Environment variables" section of docs/design.md: the
 cGPU and eGPU switches, visible devices, the three memory formulas with the
 eGPU reserve, the list rules, and the compute variables. `resolve_plan` either
 returns a `Plan` or raises `PlanError` whose message is one line naming the
 variable and the reason. Nothing here does I/O.
 
-Choices where DESIGN.md is silent (also documented in README.md):
+Choices where docs/design.md is silent (also documented in README.md):
 - Visible devices: when both variables are unset or empty the container gets
   every GPU of the host; `none` and `void` (the NVIDIA runtime's words for
   "no GPU") give it no GPU, so nothing is registered (`enabled` is false).

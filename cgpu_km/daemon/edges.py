@@ -20,7 +20,7 @@ import os
 import struct
 import time
 from collections.abc import Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +34,8 @@ log = logging.getLogger("cgpu-daemon")
 
 Key = tuple[int, str]  # (host GPU index, container name)
 _GPU_NODES = frozenset(NODES_BY_LEVEL[Level.GPU])
+_WRITABLE = {level: tuple(n.name for n in NODES_BY_LEVEL[level].values() if n.writable)
+             for level in (Level.GPU, Level.CONTAINER)}  # what the watcher watches
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class ContainerNodes:
     util_limit: int
 
 
-CONTAINER_NODES = ("id", "memsize", "weight", "highprio", "util_limit")
+CONTAINER_NODES = tuple(f.name for f in fields(ContainerNodes))  # checked against nodes.py
 
 
 @dataclass(frozen=True)
@@ -281,11 +283,11 @@ class InotifyWatcher:
         files = _IN_MODIFY | _IN_CLOSE_WRITE
         for index, nodes in gpus.items():
             wanted[f"{self.root}/{index}"] = (Change(index), _DIR_EVENTS)
-            for node in ("policy", "max_inst", "prio_ratio"):
+            for node in _WRITABLE[Level.GPU]:
                 wanted[f"{self.root}/{index}/{node}"] = (Change(index), files)
             for name in nodes.containers:
                 wanted[f"{self.root}/{index}/{name}"] = (Change(index, name), _DIR_EVENTS)
-                for node in ("memsize", "weight", "highprio", "util_limit"):
+                for node in _WRITABLE[Level.CONTAINER]:
                     wanted[f"{self.root}/{index}/{name}/{node}"] = (Change(index, name), files)
         for path in [p for p in self._by_path
                      if p not in wanted and self._by_wd[self._by_path[p]].gpu is not None]:

@@ -14,7 +14,7 @@ thread, or a simulation in tests) calls `step(now, observations)` whenever
 something may have changed and at the latest at the time the answer names.
 No I/O and no clock here.
 
-Shares (`allotments`) follow the policy table of ../shared/DESIGN.md:
+Shares (`allotments`) follow the policy table of docs/design.md:
 
 | policy | share of an eligible container i |
 | --- | --- |

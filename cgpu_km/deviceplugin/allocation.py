@@ -3,7 +3,7 @@
 Each GPU offers one kubelet "device" per memory unit (GiB by default, as gpushare
 does), named `<GPU-UUID>-_-<j>`. A container's units must all come from one GPU;
 the environment returned by Allocate is what the OCI hook reads
-(see ../shared/DESIGN.md, "Environment variables").
+(see docs/design.md, "Environment variables").
 """
 
 from __future__ import annotations

@@ -76,6 +76,17 @@ def _node_initializer(node: Node) -> list[str]:
     ]
 
 
+def parameter_descriptions() -> dict[str, str]:
+    """MODULE_PARM_DESC of each module parameter, from the table's ranges and initials."""
+    descriptions = {"gpus": f"number of GPU directories, 1..{MAX_GPUS} (default 1)"}
+    for node in _value_nodes(Level.GPU):
+        descriptions[node.name] = (
+            f"initial {node.name} of every GPU, {node.minimum}..{node.maximum}"
+            f" (default {node.initial})"
+        )
+    return descriptions
+
+
 def render() -> str:
     """The whole header, deterministic for a given node table."""
     lines = [
@@ -97,6 +108,10 @@ def render() -> str:
         f"#define CGPU_COMMAND_WRITE_MAX {COMMAND_WRITE_MAX}",
         f"#define CGPU_MAX_GPUS {MAX_GPUS}",
         f"#define CGPU_INST_CTL_USAGE {_c_string(INST_CTL_USAGE)}",
+        "",
+        "/* MODULE_PARM_DESC of the module parameters. */",
+        *(f"#define CGPU_PARM_DESC_{name.upper()} {_c_string(text)}"
+          for name, text in parameter_descriptions().items()),
         "",
     ]
     lines += _enum("cgpu_level", (f"CGPU_LEVEL_{_LEVEL_C[lv]}" for lv in Level))

@@ -7,7 +7,7 @@ carrying the contract's errno, raised before anything changes, so a failed
 write leaves the tree as it was.  The FUSE tree serves this object; the
 kernel module implements the same rules in C from the same node table.
 
-Decisions where ../shared/DESIGN.md is silent (the kernel module follows
+Decisions where the contract (docs/design.md) is silent (the kernel module follows
 them too):
 - Values are ASCII decimal digits with optional surrounding ASCII
   whitespace; a sign, `0x`, or more than `VALUE_WRITE_MAX` bytes is EINVAL.
@@ -47,9 +47,12 @@ from cgpu_km.tree.nodes import (
     Node,
 )
 
-WHITESPACE = b" \t\n\v\f\r"
+WHITESPACE = b" \t\n\v\f\r"  # the contract's whitespace, around values and between words
+_ROOT = NODES_BY_LEVEL[Level.ROOT]
+_GPU = NODES_BY_LEVEL[Level.GPU]
+_CONTAINER = NODES_BY_LEVEL[Level.CONTAINER]
 _ID_RE = re.compile(rf"[A-Za-z0-9_.-]{{1,{ID_MAX_LEN}}}")
-_RESERVED_IDS = frozenset({".", ".."}) | frozenset(NODES_BY_LEVEL[Level.GPU])
+_RESERVED_IDS = frozenset({".", ".."}) | frozenset(_GPU)
 
 
 class TreeError(OSError):
@@ -127,7 +130,7 @@ class Meminfo:
 
 Command = Add | Delete | Meminfo
 
-ADD_OPTIONS = ("memsize", "weight", "highprio", "util_limit")
+ADD_OPTIONS = tuple(node.name for node in _CONTAINER.values() if node.writable)
 
 
 def _number(token: str, what: str) -> int:
@@ -157,7 +160,9 @@ def parse_command(data: bytes) -> Command:
         text = data.strip(WHITESPACE).decode("ascii")
     except UnicodeDecodeError:
         raise TreeError(errno.EINVAL, "command is not ASCII") from None
-    tokens = text.split()
+    # bytes.split() splits on exactly the contract's whitespace (" \t\n\v\f\r");
+    # str.split() would also split on 0x1c..0x1f.
+    tokens = [word.decode("ascii") for word in data.split()]
     if not tokens:
         raise TreeError(errno.EINVAL, "empty command")
     verb, args = tokens[0], tokens[1:]
@@ -167,7 +172,7 @@ def parse_command(data: bytes) -> Command:
             if key not in ADD_OPTIONS:
                 raise TreeError(errno.EINVAL, f"unknown add option: {key[:32]!r}")
             options[key] = _number(value, key)
-            _check_range(NODES_BY_LEVEL[Level.CONTAINER][key], options[key], None)
+            _check_range(_CONTAINER[key], options[key], None)
         return Add(_number(args[0], "gpu"), check_id(args[1]), options)
     if verb == "del" and len(args) in (1, 2):
         gpu = _number(args[0], "gpu") if len(args) == 2 else None
@@ -220,24 +225,24 @@ class ControlTree:
         self,
         gpus: int,
         *,
-        policy: int = 1,
-        max_inst: int = 16,
-        prio_ratio: int = 80,
+        policy: int = _GPU["policy"].initial,
+        max_inst: int = _GPU["max_inst"].initial,
+        prio_ratio: int = _GPU["prio_ratio"].initial,
         major: int = 0,
         gpu_memory: tuple[int, ...] = (),
         version: str = __version__,
     ) -> None:
-        if not 1 <= gpus <= 16:
-            raise ValueError(f"gpus must be 1..16, not {gpus}")
+        if not 1 <= gpus <= MAX_GPUS:
+            raise ValueError(f"gpus must be 1..{MAX_GPUS}, not {gpus}")
         initial = {"policy": policy, "max_inst": max_inst, "prio_ratio": prio_ratio}
         for name, value in initial.items():
-            node = NODES_BY_LEVEL[Level.GPU][name]
+            node = _GPU[name]
             if not node.minimum <= value <= node.maximum:
                 raise ValueError(f"{name} must be {node.minimum}..{node.maximum}, not {value}")
         self.version = version
         self.major = major
         self.values = {
-            n.name: n.initial for n in NODES_BY_LEVEL[Level.ROOT].values() if n.kind is Kind.VALUE
+            n.name: n.initial for n in _ROOT.values() if n.kind is Kind.VALUE
         }
         self.gpus = [
             Gpu(i, dict(initial), gpu_memory[i] if i < len(gpu_memory) else 0)
@@ -252,21 +257,21 @@ class ControlTree:
         parts = [p for p in path.split("/") if p]
         if not parts:
             return Entry(None)
-        if len(parts) == 1 and parts[0] in NODES_BY_LEVEL[Level.ROOT]:
-            return Entry(NODES_BY_LEVEL[Level.ROOT][parts[0]])
+        if len(parts) == 1 and parts[0] in _ROOT:
+            return Entry(_ROOT[parts[0]])
         gpu = self._gpu_by_name(parts[0])
         if gpu is None or len(parts) > 3:
             raise TreeError(errno.ENOENT, f"no such node: {path}")
         if len(parts) == 1:
             return Entry(None, gpu)
-        if len(parts) == 2 and parts[1] in NODES_BY_LEVEL[Level.GPU]:
-            return Entry(NODES_BY_LEVEL[Level.GPU][parts[1]], gpu)
+        if len(parts) == 2 and parts[1] in _GPU:
+            return Entry(_GPU[parts[1]], gpu)
         container = gpu.containers.get(parts[1])
         if container is None:
             raise TreeError(errno.ENOENT, f"no such node: {path}")
         if len(parts) == 2:
             return Entry(None, gpu, container)
-        node = NODES_BY_LEVEL[Level.CONTAINER].get(parts[2])
+        node = _CONTAINER.get(parts[2])
         if node is None:
             raise TreeError(errno.ENOENT, f"no such node: {path}")
         return Entry(node, gpu, container)
@@ -283,10 +288,10 @@ class ControlTree:
         if not entry.is_dir:
             raise TreeError(errno.ENOTDIR, f"not a directory: {path}")
         if entry.container is not None:
-            return list(NODES_BY_LEVEL[Level.CONTAINER])
+            return list(_CONTAINER)
         if entry.gpu is not None:
-            return list(NODES_BY_LEVEL[Level.GPU]) + sorted(entry.gpu.containers)
-        return list(NODES_BY_LEVEL[Level.ROOT]) + [str(g.index) for g in self.gpus]
+            return list(_GPU) + sorted(entry.gpu.containers)
+        return list(_ROOT) + [str(g.index) for g in self.gpus]
 
     # reading
 
@@ -373,17 +378,14 @@ class ControlTree:
     def _add(self, gpu: Gpu, command: Add) -> None:
         options = command.options
         if "weight" in options:
-            _check_range(NODES_BY_LEVEL[Level.CONTAINER]["weight"], options["weight"], gpu)
+            _check_range(_CONTAINER["weight"], options["weight"], gpu)
         if command.name in gpu.containers:
             raise TreeError(errno.EEXIST, f"container {command.name} exists on GPU {gpu.index}")
         if len(gpu.containers) >= gpu.values["max_inst"]:
             raise TreeError(errno.ENOSPC, f"GPU {gpu.index} has max_inst containers")
-        values = {
-            "memsize": options.get("memsize", self.values["default_memsize"]),
-            "weight": min(options.get("weight", 1), gpu.free_weight()),
-            "highprio": options.get("highprio", 0),
-            "util_limit": options.get("util_limit", 0),
-        }
+        values = {name: options.get(name, _CONTAINER[name].initial) for name in ADD_OPTIONS}
+        values["memsize"] = options.get("memsize", self.values["default_memsize"])
+        values["weight"] = min(values["weight"], gpu.free_weight())
         gpu.containers[command.name] = Container(command.name, self._ident(command.name), values)
 
     def _ident(self, name: str) -> int:
@@ -431,9 +433,12 @@ _WRITE_CHECKS = {"weight": _check_weight, "max_inst": _check_max_inst}
 def add_tree_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every server of the tree takes: its GPUs and initial values."""
     parser.add_argument("--gpus", type=int, default=1, help=f"GPU directories, 1..{MAX_GPUS}")
-    parser.add_argument("--policy", type=int, default=1, help="initial policy, 0..5")
-    parser.add_argument("--max-inst", type=int, default=16, help="initial max_inst, 1..25")
-    parser.add_argument("--prio-ratio", type=int, default=80, help="initial prio_ratio, 20..99")
+    for node in _GPU.values():
+        if node.kind is Kind.VALUE:
+            parser.add_argument(
+                f"--{node.name.replace('_', '-')}", type=int, default=node.initial,
+                help=f"initial {node.name}, {node.minimum}..{node.maximum}",
+            )
     parser.add_argument(
         "--gpu-memory", default="",
         help="comma list of each GPU's total bytes, for meminfo of whole-device containers",

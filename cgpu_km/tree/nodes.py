@@ -33,7 +33,7 @@ class Kind(enum.Enum):
     MEMINFO = "meminfo"  # the per-process memory report
 
 
-# Modes from DESIGN.md: 0644 for rw, 0444 for r, 0200 for inst_ctl.
+# Modes of the contract (docs/design.md): 0644 for rw, 0444 for r, 0200 for inst_ctl.
 RW = 0o644
 RO = 0o444
 WO = 0o200
@@ -53,7 +53,7 @@ class Node:
     minimum: int = 0
     maximum: int = 0  # an integer, or MAX_INST
     initial: int = 0
-    doc: str = ""
+    doc: str = ""  # one line for the generated doc tables (cgpu_km.tree.doctable)
 
     @property
     def writable(self) -> bool:
@@ -61,30 +61,60 @@ class Node:
 
 
 NODES: tuple[Node, ...] = (
-    Node("version", Level.ROOT, RO, Kind.VERSION, doc="the module's version, X.Y.Z"),
+    Node("version", Level.ROOT, RO, Kind.VERSION, doc="the version of the server, `X.Y.Z`"),
     Node(
         "default_memsize", Level.ROOT, RW, Kind.VALUE, 0, U64_MAX, 0,
-        "bytes given to a container created without a memsize; 0 means the whole device",
+        "bytes given to a container added without `memsize=`; `0` means the whole device",
     ),
-    Node("inst_ctl", Level.ROOT, WO, Kind.COMMAND, doc="command channel: add, del, meminfo"),
+    Node(
+        "inst_ctl", Level.ROOT, WO, Kind.COMMAND,
+        doc="the command channel (add, del, meminfo); a read prints one usage line",
+    ),
     Node(
         "upgrade", Level.ROOT, RW, Kind.VALUE, 0, 1, 0,
-        "1 asks the daemon for a hot update; the daemon writes 0 back",
+        "`1` asks the daemon for a hot update; the daemon writes `0` back when it is done",
     ),
-    Node("policy", Level.GPU, RW, Kind.VALUE, 0, 5, 1, "scheduling policy, 0..5"),
-    Node("max_inst", Level.GPU, RW, Kind.VALUE, 1, 25, 16, "most containers and total weight"),
-    Node("prio_ratio", Level.GPU, RW, Kind.VALUE, 20, 99, 80, "percent a high-priority one takes"),
-    Node("free_weight", Level.GPU, RO, Kind.DERIVED, doc="max_inst minus the sum of weights"),
-    Node("major", Level.GPU, RO, Kind.DERIVED, doc="character device major; 0 on FUSE"),
-    Node("id", Level.CONTAINER, RO, Kind.DERIVED, doc="numeric instance id, unique on the host"),
+    Node("policy", Level.GPU, RW, Kind.VALUE, 0, 5, 1, "the scheduling policy of the GPU"),
+    Node(
+        "max_inst", Level.GPU, RW, Kind.VALUE, 1, 25, 16,
+        "most containers on the GPU, and most total weight",
+    ),
+    Node(
+        "prio_ratio", Level.GPU, RW, Kind.VALUE, 20, 99, 80,
+        "percent of the GPU an active high-priority container may take",
+    ),
+    Node(
+        "free_weight", Level.GPU, RO, Kind.DERIVED,
+        doc="`max_inst` minus the sum of the weights of the GPU's containers",
+    ),
+    Node(
+        "major", Level.GPU, RO, Kind.DERIVED,
+        doc="major number of the module's character device; `0` on FUSE",
+    ),
+    Node(
+        "id", Level.CONTAINER, RO, Kind.DERIVED,
+        doc="numeric instance id, unique on the host, shared by one container's GPUs",
+    ),
     Node(
         "memsize", Level.CONTAINER, RW, Kind.VALUE, 1, U64_MAX, 0,
-        "memory limit in bytes; 0 when the container has the whole device",
+        "memory limit in bytes; reads `0` when the container has the whole device",
     ),
-    Node("meminfo", Level.CONTAINER, RO, Kind.MEMINFO, doc="Free: then PID: <pid> Mem: <bytes>"),
-    Node("weight", Level.CONTAINER, RW, Kind.VALUE, 0, MAX_INST, 1, "compute weight"),
-    Node("highprio", Level.CONTAINER, RW, Kind.VALUE, 0, 1, 0, "1 for high priority"),
-    Node("util_limit", Level.CONTAINER, RW, Kind.VALUE, 0, 95, 0, "cap in percent, 0 for none"),
+    Node(
+        "meminfo", Level.CONTAINER, RO, Kind.MEMINFO,
+        doc="`Free: <bytes>`, then `PID: <pid> Mem: <bytes>` per process",
+    ),
+    Node(
+        "weight", Level.CONTAINER, RW, Kind.VALUE, 0, MAX_INST, 1,
+        "compute weight; the GPU's sum never exceeds `max_inst`",
+    ),
+    Node(
+        "highprio", Level.CONTAINER, RW, Kind.VALUE, 0, 1, 0,
+        "`1` makes the container high-priority",
+    ),
+    Node(
+        "util_limit", Level.CONTAINER, RW, Kind.VALUE, 0, 95, 0,
+        "most percent of GPU time the container may use; `0` for no cap",
+    ),
 )
 
 NODES_BY_LEVEL: dict[Level, dict[str, Node]] = {

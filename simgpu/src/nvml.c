@@ -826,3 +826,92 @@ nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mo
     *mode = NVML_COMPUTEMODE_DEFAULT;
     return NVML_SUCCESS;
 }
+
+/* ---------- what a device without the feature answers ---------- */
+
+#pragma GCC visibility push(default)
+
+/* A simgpu device is never a MIG device (nor has MIG at all). */
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice);
+nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    REQUIRE_DEV(d, device);
+    (void)d;
+    if (!isMigDevice)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isMigDevice = 0;
+    return NVML_SUCCESS;
+}
+
+/* nvmlTemperature_v1_t, which NVML 12.8 clients (nvitop) ask for before the
+ * deprecated nvmlDeviceGetTemperature. */
+struct nvml_temperature_v1 {
+    unsigned int version;
+    nvmlTemperatureSensors_t sensorType;
+    int temperature;
+};
+#define NVML_TEMPERATURE_V1 ((unsigned int)sizeof(struct nvml_temperature_v1) | 1U << 24)
+
+nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, struct nvml_temperature_v1 *reading);
+nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, struct nvml_temperature_v1 *reading)
+{
+    unsigned int celsius;
+    nvmlReturn_t rc;
+
+    if (!reading)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (reading->version != NVML_TEMPERATURE_V1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    rc = nvmlDeviceGetTemperature(device, reading->sensorType, &celsius);
+    if (rc == NVML_SUCCESS)
+        reading->temperature = (int)celsius;
+    return rc;
+}
+
+/*
+ * Entry points that NVML clients (nvitop, gpustat, nvidia-ml-py's own
+ * wrappers) call and that simgpu has no model for: they answer
+ * NVML_ERROR_NOT_SUPPORTED for a valid handle, as the driver does for a
+ * feature the device lacks, and the clients show N/A. Each is defined with
+ * the device handle alone, the first parameter of every one of them: the
+ * rest are the caller's to pass and to clean up (NVML's ABIs are all
+ * caller-cleanup), and this answer never reads them.
+ */
+#define UNMODELLED(X) \
+    X(nvmlDeviceGetBAR1MemoryInfo) \
+    X(nvmlDeviceGetClockInfo) \
+    X(nvmlDeviceGetComputeInstanceId) \
+    X(nvmlDeviceGetConfComputeMemSizeInfo) \
+    X(nvmlDeviceGetDecoderUtilization) \
+    X(nvmlDeviceGetDeviceHandleFromMigDeviceHandle) \
+    X(nvmlDeviceGetDisplayActive) \
+    X(nvmlDeviceGetDisplayMode) \
+    X(nvmlDeviceGetDriverModel_v2) \
+    X(nvmlDeviceGetEncoderUtilization) \
+    X(nvmlDeviceGetEnforcedPowerLimit) \
+    X(nvmlDeviceGetFanSpeed) \
+    X(nvmlDeviceGetFieldValues) \
+    X(nvmlDeviceGetGpuInstanceId) \
+    X(nvmlDeviceGetMaxClockInfo) \
+    X(nvmlDeviceGetMaxMigDeviceCount) \
+    X(nvmlDeviceGetMigDeviceHandleByIndex) \
+    X(nvmlDeviceGetMigMode) \
+    X(nvmlDeviceGetPcieThroughput) \
+    X(nvmlDeviceGetPerformanceState) \
+    X(nvmlDeviceGetPowerManagementLimit) \
+    X(nvmlDeviceGetRunningProcessDetailList) \
+    X(nvmlDeviceGetSerial) \
+    X(nvmlDeviceGetTotalEccErrors)
+
+#define DEFINE_NOT_SUPPORTED(name)          \
+    nvmlReturn_t name(nvmlDevice_t device); \
+    nvmlReturn_t name(nvmlDevice_t device)  \
+    {                                       \
+        REQUIRE_DEV(d, device);             \
+        (void)d;                            \
+        return NVML_ERROR_NOT_SUPPORTED;    \
+    }
+
+UNMODELLED(DEFINE_NOT_SUPPORTED)
+
+#pragma GCC visibility pop

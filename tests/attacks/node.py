@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -354,6 +355,7 @@ class Node:
             "SIMGPU_CONTEXT_MEM": context_mem, "CGPU_LIBCGPU": str(self.library)})
         self.context_mem = context_mem
         self.containers: list[Container] = []
+        self._probe: tuple[Container, Proc] | None = None
         self.nvml_processes()  # creates simgpu's state file, which containers bind-mount
 
     @property
@@ -399,6 +401,29 @@ class Node:
             elif words[:1] == ["PID:"]:
                 procs[int(words[1])] = int(words[3])
         return free, procs
+
+    def backstop_rounds(self, count: int) -> None:
+        """Return once the daemon's memory service has run `count` more rounds.
+
+        A round reads GPU memory, runs the backstop over what it read, then feeds
+        meminfo. Before each round is awaited a probe container's process grows by
+        one byte, so its meminfo showing the new size means a whole round, the
+        backstop's decisions (and their log lines) included, ran on a view taken
+        after everything that happened before the call: a round counter, not a sleep.
+        """
+        if self._probe is None:
+            probe = self.container({"ALIYUN_COM_GPU_MEM_CONTAINER": "1024",
+                                    "ALIYUN_COM_GPU_MEM_DEV": "15109"})
+            self._probe = probe, probe.proc()
+        container, proc = self._probe
+
+        def grown(before: int | None) -> bool:
+            return self.meminfo(container)[1].get(proc.host_pid) not in (None, before)
+
+        for _ in range(count):
+            before = self.meminfo(container)[1].get(proc.host_pid)
+            assert proc.ask("alloc 1") == "alloc rc=0"
+            wait_for(partial(grown, before), 30, "a round of the daemon's memory service")
 
     def nvml_processes(self) -> dict[int, int]:
         """simgpu's own per-process accounting, through NVML (host pids -> bytes)."""

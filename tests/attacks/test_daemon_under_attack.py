@@ -29,7 +29,7 @@ from tests.attacks.test_backstop import STOPPED, cgpu_mem
 from tests.attacks.test_oom_and_memsize import egpu_env
 from tests.bench.shares import Report, count, fraction, window_counts
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 US = 1000
 SLOW_SCRIPT = "#!/bin/sh\n: > /out/started\nsleep 3\n"

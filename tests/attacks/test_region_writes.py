@@ -19,7 +19,7 @@ import pytest
 from cgpu_km.dataplane import region as region_mod
 from tests.attacks.node import MIB, NOBODY, SETPRIV, Node, fields, missing, wait_for
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 LIMIT = 256 * MIB
 CGPU_256 = {"ALIYUN_COM_GPU_MEM_CONTAINER": "256", "ALIYUN_COM_GPU_MEM_DEV": "15109"}

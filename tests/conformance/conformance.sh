@@ -1,5 +1,5 @@
 #!/bin/sh
-# Conformance suite for the cgpu_km control tree (../shared/DESIGN.md).
+# Conformance suite for the cgpu_km control tree (docs/design.md).
 #
 # Written for busybox sh using only sh, echo, cat, ls and test, so that the
 # same script checks the FUSE tree on a host and /proc/cgpu_km inside the
@@ -220,6 +220,22 @@ for bad in " " "add" "add 0" "add x ctr-x" "add 0 ctr/x" "add 0 ctr-x memsize=0"
 	check_error "$EINVAL" inst_ctl "$bad"
 done
 check_absent "0/ctr-x"
+# Words are separated by the contract's six whitespace bytes, and by nothing else:
+# not by the ASCII separators 0x1c..0x1f (which Python's str.split() takes).
+for sep in "$NL" "$(echo -ne '\011')" "$(echo -ne '\013')" "$(echo -ne '\014')" \
+	"$(echo -ne '\015')"; do
+	ctl "add${sep}0 ctr-w${sep}weight=0"
+	check_read 0/ctr-w/weight 0
+	ctl "del${sep}ctr-w"
+done
+for code in '\034' '\035' '\036' '\037'; do
+	sep=$(echo -ne "$code")
+	check_error "$EINVAL" inst_ctl "add${sep}0 ctr-x"
+	check_error "$EINVAL" inst_ctl "add 0${sep}ctr-x"
+	check_error "$EINVAL" inst_ctl "-ctr-x${sep}"
+done
+check_absent "0/ctr-x"
+check_absent "0/ctr-w"
 check_read 0/free_weight 11
 check_error "$ENOENT" inst_ctl "del 0 ctr-x"
 check_error "$ENOENT" inst_ctl "del ctr-x"

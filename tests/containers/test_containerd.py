@@ -23,7 +23,6 @@ from tests.containers.conftest import Image
 from tests.containers.helpers import LIMIT_6_OF_15, NOTHING, WRAPPER, SimHost, missing
 
 pytestmark = [
-    pytest.mark.root,
     pytest.mark.skipif(missing("containerd", "ctr", "runc") is not None,
                        reason=f"{missing('containerd', 'ctr', 'runc')} is not installed "
                               "(apt-get install containerd)"),

@@ -23,7 +23,6 @@ from tests.containers.conftest import Image
 from tests.containers.helpers import DEVICES, IMAGE, LIMIT_6_OF_15, NOTHING, SimHost, missing
 
 pytestmark = [
-    pytest.mark.root,
     pytest.mark.skipif(missing("dockerd", "containerd", "runc") is not None,
                        reason=f"{missing('dockerd', 'containerd', 'runc')} is not installed "
                               "(apt-get install docker.io)"),

@@ -650,7 +650,65 @@ def test_link_check_can_fail(tmp_path: Path) -> None:
         "../outside.md: outside the repository"]
 
 
-def test_docs_name_no_machine_paths() -> None:
-    """The design is `../shared/DESIGN.md` in the docs, never a path on one machine."""
-    for doc in DOCS:
-        assert "/work/" not in doc.read_text(), doc_name(doc)
+# A path that leaves the repository: `../x` that names nothing in it (resolved from
+# the file's folder and from the repository's root, as comments name paths both
+# ways; a build output that git ignores counts as in it), or a path in the folder
+# where this machine keeps its checkouts.
+_RELATIVE_PATH = re.compile(r"(?<![\w./])((?:\.\./)+[\w.-][\w./-]*)")
+_MACHINE_PATH = re.compile(r"(?<![\w.])/work/[\w.-]")
+
+
+def _in_repository(path: Path, root: Path) -> bool:
+    if path != root and root not in path.parents:
+        return False
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=root, check=False)
+    return path.exists() or ignored.returncode == 0
+
+
+def paths_outside(text: str, folder: Path, root: Path = REPO) -> list[str]:
+    """The paths in `text` (a file in `folder`) that point outside `root` or nowhere."""
+    outside = [m.group(0) for m in _MACHINE_PATH.finditer(text)]
+    for match in _RELATIVE_PATH.finditer(text):
+        target = match.group(1)
+        if not any(_in_repository(Path(os.path.normpath(base / target)), root)
+                   for base in (folder, root)):
+            outside.append(target)
+    return outside
+
+
+def tracked_text_files() -> list[Path]:
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    files = []
+    for name in filter(None, names):
+        path = REPO / name
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if path.is_file() and b"\0" not in path.read_bytes()[:4096]:
+                path.read_text()
+                files.append(path)
+    return files
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs a git checkout")
+def test_no_tracked_file_points_outside_the_repository() -> None:
+    """Everything a file refers to is in the clone: the contract is docs/design.md."""
+    found = {str(f.relative_to(REPO)): paths_outside(f.read_text(), f.parent)
+             for f in tracked_text_files() if f != Path(__file__).resolve()}  # its examples
+    assert {name: paths for name, paths in found.items() if paths} == {}
+
+
+def test_outside_paths_are_found(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("")
+    text = "see ../shared/DESIGN.md, /work/main/x, ../docs/a.md and ../../up"
+    assert paths_outside(text, tmp_path / "docs", tmp_path) == [
+        "/work/m", "../shared/DESIGN.md", "../../up"]
+
+
+def test_the_design_is_in_the_repository_and_linked() -> None:
+    design = REPO / "docs" / "design.md"
+    assert design.is_file()
+    for page in (REPO / "README.md", REPO / "docs" / "developer" / "architecture.md"):
+        targets = [(page.parent / t.split("#")[0]).resolve()
+                   for t in re.findall(r"\]\(([^)\s]+)\)", page.read_text())]
+        assert design in targets, page.name

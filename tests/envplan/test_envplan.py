@@ -1,4 +1,4 @@
-"""Env-var resolution: DESIGN.md's worked examples and every rule."""
+"""Env-var resolution: the worked examples of docs/design.md and every rule."""
 
 from __future__ import annotations
 

@@ -39,8 +39,6 @@ DEVICES = ",".join(
 TOTALS = [15109 * MIB, 16160 * MIB, 15109 * MIB, 16160 * MIB]
 
 pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="runc needs root"),
     pytest.mark.skipif(RUNC is None, reason="runc not installed (apt-get install runc)"),
     pytest.mark.skipif(BUSYBOX is None, reason="busybox not installed (busybox-static)"),
     pytest.mark.skipif(not SIMGPU_NVML.exists(), reason="simgpu not built (make -C simgpu)"),

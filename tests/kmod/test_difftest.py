@@ -51,7 +51,6 @@ def test_compare_reports_a_difference() -> None:
     assert difftest.extract(log) == want
 
 
-@pytest.mark.root
 def test_fuse_tree_agrees_with_the_model(control_tree: Path, tmp_path: Path) -> None:
     busybox = shutil.which("busybox")
     if busybox is None:

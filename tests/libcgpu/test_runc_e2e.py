@@ -25,8 +25,6 @@ DEVICES = f"Tesla T4:15109MiB:{GPU_UUID}"
 LIMIT = 15109 * MiB * 6 // 15  # ALIYUN_COM_GPU_MEM_CONTAINER=6, ALIYUN_COM_GPU_MEM_DEV=15
 
 pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="runc needs root"),
     pytest.mark.skipif(RUNC is None, reason="runc not installed (apt-get install runc)"),
     pytest.mark.skipif(BUSYBOX is None, reason="busybox not installed (busybox-static)"),
     pytest.mark.skipif(shutil.which("nsenter") is None, reason="nsenter (util-linux) missing"),

@@ -1,4 +1,4 @@
-"""The policy table as shares: rows of ../shared/DESIGN.md checked one by one, then invariants."""
+"""The policy table as shares: rows of docs/design.md checked one by one, then invariants."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from cgpu_km.daemon.sched import (
     SliceScheduler,
     allotments,
 )
+from tests.sched.oracle import busy_shares
 from tests.sched.slice_model import Proc, kernels, run
 
 W = ContainerSpec
@@ -68,14 +69,21 @@ def scenarios(draw: st.DrawFn) -> tuple[GpuConfig, list[Proc]]:
 def test_busy_containers_get_the_policy_table(scenario: tuple[GpuConfig, list[Proc]]) -> None:
     config, procs = scenario
     got = fractions(config, procs, 4.0)
-    want = allotments(config, set(config.containers))
-    total, allowed = sum(got.values()), float(sum(a.share for a in want.values()))
+    want = busy_shares(config)  # the table, worked out apart from allotments()
+    total, allowed = sum(got.values()), sum(want.values())
     # Switching costs the GPU little: what the shares allow is used ...
     assert total >= allowed - 0.04, got
     # ... and it is split as the table says.
-    for name, allot in want.items() if allowed > 0 else ():
-        assert got[name] / total * allowed == pytest.approx(float(allot.share), abs=0.02), (
-            got, want)
+    for name, share in want.items() if allowed > 0 else ():
+        assert got[name] / total * allowed == pytest.approx(share, abs=0.02), (got, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_allotments_agree_with_the_oracle(scenario: tuple[GpuConfig, list[Proc]]) -> None:
+    config, _ = scenario
+    got = {n: float(a.share) for n, a in allotments(config, set(config.containers)).items()}
+    assert got == pytest.approx(busy_shares(config), abs=1e-9)
 
 
 @pytest.mark.parametrize("kernel", [0.0002, 0.001, 0.005, 0.02])

@@ -524,7 +524,6 @@ def _child_pids(pid: int) -> list[int]:
     return [int(c) for c in children]
 
 
-@pytest.mark.root
 def test_pids_are_seen_from_the_readers_namespace(sim: SimHost) -> None:
     wrap = _unshare_pid()
     boxed = sim.start("--alloc", "1GiB", "--hold-stdin", wrap=wrap)
@@ -549,7 +548,6 @@ def test_pids_are_seen_from_the_readers_namespace(sim: SimHost) -> None:
     ])
 
 
-@pytest.mark.root
 def test_simgpu_pid_overrides_the_recorded_pid(sim: SimHost) -> None:
     wrap = _unshare_pid()
     sim.start("--hold-stdin", wrap=wrap, SIMGPU_PID="4242")
