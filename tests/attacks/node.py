@@ -416,9 +416,20 @@ class Node:
                 *(f"{key}={self.env[key]}" for key in keep)]
 
     def container(self, env: Mapping[str, str], *, user: int = NOBODY,
-                  files: Mapping[str, str] | None = None) -> Container:
+                  files: Mapping[str, str] | None = None,
+                  image: Callable[[Path], None] | None = None) -> Container:
         """Start a container (`runc run --detach`, init `sleep`) with the hook and `env`;
-        `files` are written into its rootfs first (path -> text, executable)."""
+        `files` are written into its rootfs first (path -> text, executable), then
+        `image(rootfs)` edits it further (links, folders: what an image may hold)."""
+        container, code, errors = self.try_container(env, user=user, files=files, image=image)
+        assert code == 0, f"runc run failed: {errors}"
+        return container
+
+    def try_container(self, env: Mapping[str, str], *, user: int = NOBODY,
+                      files: Mapping[str, str] | None = None,
+                      image: Callable[[Path], None] | None = None
+                      ) -> tuple[Container, int, str]:
+        """As `container`, but the start may fail: (container, runc's status, its stderr)."""
         container_id = uuid.uuid4().hex
         bundle = self.base / container_id
         rootfs, out = bundle / "rootfs", bundle / "out"
@@ -431,6 +442,8 @@ class Node:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
             target.chmod(0o755)
+        if image is not None:
+            image(rootfs)
         (bundle / "config.json").write_text(json.dumps(self._config(bundle, env, user)))
         container = Container(self, container_id, bundle, rootfs, out, user)
         self.containers.append(container)
@@ -441,8 +454,7 @@ class Node:
             code = subprocess.run([RUNC, "run", "--detach", "--bundle", str(bundle),
                                    container_id], stdin=subprocess.DEVNULL, stdout=log,
                                   stderr=stderr, timeout=120).returncode
-        assert code == 0, f"runc run failed: {errors.read_text()}"
-        return container
+        return container, code, errors.read_text()
 
     def _config(self, bundle: Path, env: Mapping[str, str], user: int) -> dict[str, object]:
         assert RUNC is not None
