@@ -34,6 +34,7 @@ GIB = 1 << 30
 DEFAULT_RESERVED_MIB = 10
 DEFAULT_MAX_INST = 16
 UTIL_LIMIT_MAX = 95
+MAX_DIGITS = 20  # above 2**64: no value of a variable needs more
 
 MEM_CONTAINER = "ALIYUN_COM_GPU_MEM_CONTAINER"
 MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"
@@ -116,10 +117,18 @@ def parse_uint(name: str, text: str) -> int:
     """A non-negative decimal integer, or PlanError naming `name`."""
     text = text.strip()
     if _UNSIGNED.fullmatch(text):
-        return int(text)
+        return _digits(name, text)
     if _SIGNED.fullmatch(text) and text.startswith("-"):
         raise PlanError(f"{name}: {_show(text)} is negative")
     raise PlanError(f"{name}: {_show(text)} is not a whole number")
+
+
+def _digits(name: str, digits: str) -> int:
+    """The value of a string of ASCII digits of any length, or PlanError."""
+    significant = digits.lstrip("0")
+    if len(significant) > MAX_DIGITS:
+        raise PlanError(f"{name}: {_show(digits)} is too large (more than {MAX_DIGITS} digits)")
+    return int(significant or "0")
 
 
 def parse_uint_list(name: str, text: str) -> list[int]:
@@ -137,7 +146,7 @@ def list_element(values: Sequence[int], k: int) -> int:
 
 def _is_zero(text: str) -> bool:
     text = text.strip()
-    return bool(_UNSIGNED.fullmatch(text)) and int(text) == 0
+    return bool(_UNSIGNED.fullmatch(text)) and not text.strip("0")
 
 
 def switch_mode(env: Mapping[str, str]) -> Mode | None:
@@ -157,19 +166,24 @@ def switch_mode(env: Mapping[str, str]) -> Mode | None:
     return "cgpu"
 
 
+GpuList = tuple[int | str, ...]
+
+
 @dataclass(frozen=True)
 class Request:
     """What the environment asks for, parsed and checked without the GPUs.
 
     `visible` is None for every GPU, else the listed indexes (int) and UUIDs
-    (str) in order. `memory_kind` says which formula applies to
-    `memory_values` (bytes, shares of `dev`, or the whole device); `dev` is
-    None when the denominator is the device's size in whole GiB. `reserve`
-    is in bytes and `weight` None means the default.
+    (str) in order; `exposed` is NVIDIA_VISIBLE_DEVICES's list when
+    ALIYUN_COM_GPU_VISIBLE_DEVICES names the limited ones (False when unset).
+    `memory_kind` says which formula applies to `memory_values` (bytes,
+    shares of `dev`, or the whole device); `dev` is None when the
+    denominator is the device's size in whole GiB. `reserve` is in bytes and
+    `weight` None means the default.
     """
 
     mode: Mode
-    visible: tuple[int | str, ...] | None
+    visible: GpuList | None
     visible_variable: str
     memory_variable: str
     memory_kind: Literal["per_device", "container", "whole"]
@@ -180,23 +194,34 @@ class Request:
     highprio: int
     util_limit: int
     oom_script: str | None
+    exposed: GpuList | bool | None = False
 
 
-def _visible(env: Mapping[str, str]) -> tuple[str, tuple[int | str, ...] | None]:
-    name = VISIBLE_ALIYUN
-    text = _get(env, VISIBLE_ALIYUN)
-    if text is None:
-        name, text = VISIBLE_NVIDIA, _get(env, VISIBLE_NVIDIA)
+def _gpu_list(name: str, text: str | None) -> GpuList | None:
+    """A visible-devices value: None for every GPU, () for none, else the items
+    (indexes as int, UUIDs as str)."""
     if text is None or text.lower() == "all":
-        return name, None
+        return None
     if text.lower() in _NO_GPU_WORDS:
-        return name, ()
+        return ()
     items: list[int | str] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             raise PlanError(f"{name}: {_show(text)} has an empty element")
-        items.append(int(item) if _UNSIGNED.fullmatch(item) else item)
-    return name, tuple(items)
+        items.append(_digits(name, item) if _UNSIGNED.fullmatch(item) else item)
+    return tuple(items)
+
+
+def _visible(env: Mapping[str, str]) -> tuple[str, GpuList | None, GpuList | bool | None]:
+    """(the variable that names the limited GPUs, its list, NVIDIA's list when
+    both are set: what NVIDIA's runtime exposes, which must be the same GPUs;
+    False when there is nothing to compare)."""
+    aliyun = _get(env, VISIBLE_ALIYUN)
+    nvidia = _get(env, VISIBLE_NVIDIA)
+    if aliyun is None:
+        return VISIBLE_NVIDIA, _gpu_list(VISIBLE_NVIDIA, nvidia), False
+    exposed = False if nvidia is None else _gpu_list(VISIBLE_NVIDIA, nvidia)
+    return VISIBLE_ALIYUN, _gpu_list(VISIBLE_ALIYUN, aliyun), exposed
 
 
 def _reserve(env: Mapping[str, str], mode: Mode) -> int:
@@ -241,7 +266,7 @@ def parse_request(env: Mapping[str, str]) -> Request | None:
         return None
     if mode == "egpu":
         _flag(env, EGPU_HOST_DAEMON)  # accepted; the host daemon is always used
-    visible_variable, visible = _visible(env)
+    visible_variable, visible, exposed = _visible(env)
     per_device = _get(env, MEM_PER_DEVICE)
     container = _get(env, MEM_CONTAINER)
     dev: int | None = None
@@ -263,19 +288,18 @@ def parse_request(env: Mapping[str, str]) -> Request | None:
         memory_variable=variable, memory_kind=kind, memory_values=tuple(values), dev=dev,
         reserve=_reserve(env, mode), weight=_weight(env), highprio=_flag(env, HIGH_PRIO),
         util_limit=_util_limit(env),
-        oom_script=_get(env, OOM_SCRIPT) if mode == "egpu" else None,
+        oom_script=_get(env, OOM_SCRIPT) if mode == "egpu" else None, exposed=exposed,
     )
 
 
-def visible_gpus(request: Request, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
-    """The container's GPUs in its own order (its GPU k is element k)."""
-    if request.visible is None:
+def listed_gpus(name: str, listed: GpuList | None, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+    """The GPUs a visible-devices list names, in its order, or PlanError."""
+    if listed is None:
         return list(gpus)
-    name = request.visible_variable
     by_index = {gpu.index: gpu for gpu in gpus}
     by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
     chosen: list[GpuInfo] = []
-    for item in request.visible:
+    for item in listed:
         if isinstance(item, int):
             gpu, what = by_index.get(item), "index"
         else:
@@ -286,6 +310,33 @@ def visible_gpus(request: Request, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
         if gpu in chosen:
             raise PlanError(f"{name}: GPU {gpu.index} is listed twice")
         chosen.append(gpu)
+    return chosen
+
+
+def _indexes(gpus: Sequence[GpuInfo] | Sequence[int]) -> str:
+    numbers = sorted(g if isinstance(g, int) else g.index for g in gpus)
+    return ",".join(map(str, numbers)) or "none"
+
+
+def visible_gpus(request: Request, gpus: Sequence[GpuInfo],
+                 device_nodes: Sequence[int] = ()) -> list[GpuInfo]:
+    """The container's GPUs in its own order (its GPU k is element k).
+
+    They must be every GPU the runtime gives the container: NVIDIA's list
+    when ALIYUN_COM_GPU_VISIBLE_DEVICES names the limited ones, and the GPU
+    device nodes of its config (`--device`, CDI: `device_nodes`, minor numbers)."""
+    name = request.visible_variable
+    chosen = listed_gpus(name, request.visible, gpus)
+    if not isinstance(request.exposed, bool):
+        exposed = listed_gpus(VISIBLE_NVIDIA, request.exposed, gpus)
+        if {g.index for g in exposed} != {g.index for g in chosen}:
+            raise PlanError(f"{name}: limits GPU(s) {_indexes(chosen)} but {VISIBLE_NVIDIA} "
+                            f"gives the container GPU(s) {_indexes(exposed)}: name the same "
+                            "GPUs in both")
+    unlimited = sorted(set(device_nodes) - {g.index for g in chosen})
+    if unlimited:
+        raise PlanError(f"{name}: limits GPU(s) {_indexes(chosen)} but the container is also "
+                        f"given /dev/nvidia{unlimited[0]}, a GPU without a limit")
     return chosen
 
 
@@ -324,11 +375,13 @@ def weight_on(request: Request, gpu: GpuInfo, max_inst: int | Mapping[int, int])
 
 
 def place(request: Request | None, gpus: Sequence[GpuInfo],
-          max_inst: int | Mapping[int, int] = DEFAULT_MAX_INST) -> Plan:
-    """The plan for a parsed request on the host `gpus`, or PlanError."""
+          max_inst: int | Mapping[int, int] = DEFAULT_MAX_INST,
+          device_nodes: Sequence[int] = ()) -> Plan:
+    """The plan for a parsed request on the host `gpus`, or PlanError
+    (`device_nodes`: see `visible_gpus`)."""
     if request is None:
         return DISABLED
-    chosen = visible_gpus(request, gpus)
+    chosen = visible_gpus(request, gpus, device_nodes)
     if not chosen:
         return DISABLED
     planned = [

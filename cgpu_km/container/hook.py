@@ -38,7 +38,7 @@ from cgpu_km.container.envplan import (
     switch_mode,
 )
 from cgpu_km.container.inject import create_region, inject_data_plane, remove_data_plane
-from cgpu_km.container.oci.spec import env_map
+from cgpu_km.container.oci.spec import env_map, gpu_device_nodes
 from cgpu_km.container.steps import (
     EXIT_BAD_VALUE,
     EXIT_FAILED,
@@ -183,15 +183,24 @@ def read_state(stream: TextIO) -> OciState:
                     pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
 
 
-def container_env(bundle: Path) -> dict[str, str]:
-    """The container process's environment from `<bundle>/config.json`."""
+def container_config(bundle: Path) -> dict[str, object]:
+    """`<bundle>/config.json`."""
     try:
-        config = read_json_object(bundle / "config.json")
+        return read_json_object(bundle / "config.json")
     except FileError as error:
         raise HookError(str(error)) from None
+
+
+def config_env(config: Mapping[str, object]) -> dict[str, str]:
+    """The container process's environment in its config."""
     process = config.get("process")
     pairs = process.get("env") if isinstance(process, dict) else None
     return env_map(pairs if isinstance(pairs, list) else [])
+
+
+def container_env(bundle: Path) -> dict[str, str]:
+    """The container process's environment from `<bundle>/config.json`."""
+    return config_env(container_config(bundle))
 
 
 def require_tree(root: Path) -> None:
@@ -216,15 +225,17 @@ def tree_max_inst(root: Path) -> dict[int, int]:
     return limits
 
 
-def make_plan(env: Mapping[str, str], root: Path | None) -> Plan:
-    """The plan for `env`; NVML is consulted only when a switch is on."""
+def make_plan(env: Mapping[str, str], root: Path | None,
+              device_nodes: Sequence[int] = ()) -> Plan:
+    """The plan for `env` (and the GPU device nodes the container is given);
+    NVML is consulted only when a switch is on."""
     try:
         request = parse_request(env)  # bad values are reported before NVML is asked
         if request is None:
             return DISABLED
         gpus = discover_gpus()
         limits: dict[int, int] | int = DEFAULT_MAX_INST if root is None else tree_max_inst(root)
-        return place(request, gpus, limits)
+        return place(request, gpus, limits, device_nodes)
     except PlanError as error:
         raise HookError(str(error), EXIT_BAD_VALUE) from None
     except GpuError as error:
@@ -249,7 +260,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_prestart(args: argparse.Namespace) -> int:
     state = read_state(sys.stdin)
-    env = container_env(state.bundle)
+    config = container_config(state.bundle)
+    env = config_env(config)
     try:
         enabled = switch_mode(env) is not None
     except PlanError as error:
@@ -259,7 +271,8 @@ def cmd_prestart(args: argparse.Namespace) -> int:
     root = treefs.resolve_root(args.root)
     require_tree(root)
     ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,
-                      env=env, plan=make_plan(env, root), pid=state.pid)
+                      env=env, plan=make_plan(env, root, gpu_device_nodes(config)),
+                      pid=state.pid)
     if ctx.plan.enabled:
         run_prestart_steps(ctx, PRESTART_STEPS, sys.stderr)
     return 0

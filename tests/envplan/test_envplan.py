@@ -132,12 +132,59 @@ def test_visible_devices_order_indexes_uuids_mixed() -> None:
     assert [g.memsize for g in result.gpus] == [15109 * MIB * c // 15 for c in (1, 2, 3)]
 
 
-def test_aliyun_visible_devices_win_over_nvidia() -> None:
-    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_VISIBLE_DEVICES": "3",
-           "NVIDIA_VISIBLE_DEVICES": "0,1"}
-    assert [g.index for g in plan(env).gpus] == [3]
+def test_aliyun_visible_devices_name_the_gpus_and_nvidia_must_agree() -> None:
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1,2", "ALIYUN_COM_GPU_VISIBLE_DEVICES": "3,1"}
+    assert [g.index for g in plan(env).gpus] == [3, 1]
+    env["NVIDIA_VISIBLE_DEVICES"] = f"1,{FOUR[3].uuid}"  # the same GPUs, named otherwise
+    assert [(g.index, g.memsize) for g in plan(env).gpus] == [
+        (3, FOUR[3].memory_total * 1 // 15), (1, FOUR[1].memory_total * 2 // 15)]
     env["ALIYUN_COM_GPU_VISIBLE_DEVICES"] = ""
-    assert [g.index for g in plan(env).gpus] == [0, 1]
+    assert [g.index for g in plan(env).gpus] == [1, 3]
+
+
+@pytest.mark.parametrize(("aliyun", "nvidia", "shown"), [
+    ("0", "1", "limits GPU(s) 0 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 1"),
+    ("3", "0,1", "limits GPU(s) 3 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 0,1"),
+    ("0", "all", "limits GPU(s) 0 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) "
+     "0,1,2,3"),
+    ("0,1", "0", "limits GPU(s) 0,1 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 0"),
+    ("none", "2", "limits GPU(s) none but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 2"),
+])
+def test_a_gpu_nvidia_gives_without_a_limit_is_refused(aliyun: str, nvidia: str,
+                                                       shown: str) -> None:
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_VISIBLE_DEVICES": aliyun,
+           "NVIDIA_VISIBLE_DEVICES": nvidia}
+    assert error(env) == f"ALIYUN_COM_GPU_VISIBLE_DEVICES: {shown}: name the same GPUs in both"
+
+
+def test_a_gpu_device_node_without_a_limit_is_refused() -> None:
+    request = parse_request({"ALIYUN_COM_GPU_MEM_CONTAINER": "1",
+                             "NVIDIA_VISIBLE_DEVICES": "0,2"})
+    assert [g.index for g in place(request, FOUR, device_nodes=[2, 0]).gpus] == [0, 2]
+    with pytest.raises(PlanError) as caught:
+        place(request, FOUR, device_nodes=[0, 3])
+    assert str(caught.value) == ("NVIDIA_VISIBLE_DEVICES: limits GPU(s) 0,2 but the container "
+                                 "is also given /dev/nvidia3, a GPU without a limit")
+
+
+@pytest.mark.parametrize("variable", [
+    "ALIYUN_COM_GPU_MEM_CONTAINER", "ALIYUN_COM_GPU_MEM_DEV", "GPU_MEM_PER_DEVICE",
+    "ALIYUN_COM_GPU_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ALIYUN_COM_GPU_SCHD_WEIGHT",
+    "GPU_UTIL_PER_DEVICE",
+])
+@pytest.mark.parametrize("digits", [21, 4301, 100_000])
+def test_numbers_of_any_length_get_the_one_line_refusal(variable: str, digits: int) -> None:
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", variable: "9" * digits}
+    message = error(env)
+    assert message.startswith(f"{variable}: '999"), message
+    assert message.endswith("is too large (more than 20 digits)"), message
+    assert len(message) < 160
+
+
+def test_zeros_of_any_length_are_zero() -> None:
+    assert switch_mode({"ALIYUN_COM_GPU_MEM_CONTAINER": "0" * 5000}) is None
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "0" * 5000 + "6", "ALIYUN_COM_GPU_MEM_DEV": "15"}
+    assert plan(env, [T4]).gpus[0].memsize == 15109 * MIB * 6 // 15
 
 
 @pytest.mark.parametrize(("value", "reason"), [
@@ -338,6 +385,9 @@ VARIABLES = [
 ]
 NUMBERISH = st.one_of(
     st.integers(-(2**70), 2**70).map(str),
+    st.integers(1, 6000).map(lambda n: "1" + "0" * n),
+    st.tuples(st.sampled_from(["", "-", "0"]), st.text("0123456789", min_size=15,
+                                                       max_size=5000)).map("".join),
     st.lists(st.integers(-3, 40).map(str), min_size=0, max_size=5).map(",".join),
     st.sampled_from(["", "all", "none", "void", "true", "TRUE", "1", "0", "GPU-x", " 1 ",
                      FOUR[1].uuid, "0,1,2,3", "3,2", "\u0663", "1e3", "0x10"]),
