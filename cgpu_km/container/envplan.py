@@ -49,8 +49,10 @@ WEIGHT = "ALIYUN_COM_GPU_SCHD_WEIGHT"
 HIGH_PRIO = "ALIYUN_COM_GPU_HIGH_PRIO"
 UTIL_PER_DEVICE = "GPU_UTIL_PER_DEVICE"
 OOM_SCRIPT = "ALIYUN_COM_GPU_OOM_SCRIPT"
+ENFORCE = "CGPU_ENFORCE"  # the node's setting, in cgpu-hook's own environment: 1 = on
 
 Mode = Literal["cgpu", "egpu"]
+MemoryKind = Literal["per_device", "container", "whole", "default"]
 
 _UNSIGNED = re.compile(r"[0-9]+", re.ASCII)
 _SIGNED = re.compile(r"[+-]?[0-9]+", re.ASCII)
@@ -149,19 +151,39 @@ def _is_zero(text: str) -> bool:
     return bool(_UNSIGNED.fullmatch(text)) and not text.strip("0")
 
 
-def switch_mode(env: Mapping[str, str]) -> Mode | None:
-    """Which switch is on: 'egpu', 'cgpu' or None (leave the container alone)."""
+def given_a_gpu(env: Mapping[str, str], gpu_nodes: bool = False) -> bool:
+    """Whether the runtime gives the container a GPU: a visible-devices variable
+    that names one (or all), or GPU device nodes in its config (`gpu_nodes`)."""
+    listed = _get(env, VISIBLE_ALIYUN) or _get(env, VISIBLE_NVIDIA)
+    return gpu_nodes or (listed is not None and listed.lower() not in _NO_GPU_WORDS)
+
+
+def _refuse_opt_out(mem: str | None, disabled: bool) -> None:
+    why = f"this node enforces cGPU ({ENFORCE}): a container given a GPU cannot opt out"
+    if disabled:
+        raise PlanError(f"{CGPU_DISABLE}: {why}")
+    if mem is not None and any(_is_zero(item) for item in mem.split(",")):
+        raise PlanError(f"{MEM_CONTAINER}: {_show(mem)} has a 0 element: {why}")
+
+
+def switch_mode(env: Mapping[str, str], enforce: bool = False,
+                gpu_nodes: bool = False) -> Mode | None:
+    """Which switch is on: 'egpu', 'cgpu' or None (leave the container alone).
+
+    On a node that enforces cGPU (`enforce`), every container given a GPU is
+    managed, and CGPU_DISABLE or a 0 element is refused instead of obeyed."""
     egpu = _get(env, EGPU_ENABLE)
-    if egpu is not None:
-        if egpu == "1":
-            return "egpu"
-        if egpu != "0":
-            raise PlanError(f"{EGPU_ENABLE}: {_show(egpu)} is not 0 or 1")
+    if egpu is not None and egpu not in ("0", "1"):
+        raise PlanError(f"{EGPU_ENABLE}: {_show(egpu)} is not 0 or 1")
     mem = _get(env, MEM_CONTAINER)
-    if mem is None or any(_is_zero(item) for item in mem.split(",")):
-        return None
     disable = _get(env, CGPU_DISABLE)
-    if disable is not None and disable.lower() in ("true", "1"):
+    disabled = disable is not None and disable.lower() in ("true", "1")
+    if enforce and given_a_gpu(env, gpu_nodes):
+        _refuse_opt_out(mem, disabled)
+        return "egpu" if egpu == "1" else "cgpu"
+    if egpu == "1":
+        return "egpu"
+    if mem is None or any(_is_zero(item) for item in mem.split(",")) or disabled:
         return None
     return "cgpu"
 
@@ -177,7 +199,8 @@ class Request:
     (str) in order; `exposed` is NVIDIA_VISIBLE_DEVICES's list when
     ALIYUN_COM_GPU_VISIBLE_DEVICES names the limited ones (False when unset).
     `memory_kind` says which formula applies to `memory_values` (bytes,
-    shares of `dev`, or the whole device); `dev` is None when the
+    shares of `dev`, the whole device, or the tree's default_memsize on a node
+    that enforces cGPU); `dev` is None when the
     denominator is the device's size in whole GiB. `reserve` is in bytes and
     `weight` None means the default.
     """
@@ -186,7 +209,7 @@ class Request:
     visible: GpuList | None
     visible_variable: str
     memory_variable: str
-    memory_kind: Literal["per_device", "container", "whole"]
+    memory_kind: MemoryKind
     memory_values: tuple[int, ...]
     dev: int | None
     reserve: int
@@ -259,9 +282,11 @@ def _util_limit(env: Mapping[str, str]) -> int:
     return percent if percent <= UTIL_LIMIT_MAX else 0
 
 
-def parse_request(env: Mapping[str, str]) -> Request | None:
-    """The checked request, None when no switch is on, or PlanError."""
-    mode = switch_mode(env)
+def parse_request(env: Mapping[str, str], enforce: bool = False,
+                  gpu_nodes: bool = False) -> Request | None:
+    """The checked request, None when no switch is on, or PlanError (`enforce`,
+    `gpu_nodes`: see `switch_mode`)."""
+    mode = switch_mode(env, enforce, gpu_nodes)
     if mode is None:
         return None
     if mode == "egpu":
@@ -270,7 +295,7 @@ def parse_request(env: Mapping[str, str]) -> Request | None:
     per_device = _get(env, MEM_PER_DEVICE)
     container = _get(env, MEM_CONTAINER)
     dev: int | None = None
-    kind: Literal["per_device", "container", "whole"]
+    kind: MemoryKind
     if per_device is not None:
         kind, variable = "per_device", MEM_PER_DEVICE
         values = parse_uint_list(MEM_PER_DEVICE, per_device)
@@ -281,8 +306,10 @@ def parse_request(env: Mapping[str, str]) -> Request | None:
         dev = None if dev_text is None else parse_uint(MEM_DEV, dev_text)
         if dev == 0:
             raise PlanError(f"{MEM_DEV}: must be above 0")
-    else:  # only eGPU gets here: the cGPU switch needs MEM_CONTAINER
+    elif mode == "egpu":
         kind, variable, values = "whole", MEM_RESERVED, []
+    else:  # only an enforcing node gets here: the cGPU switch needs MEM_CONTAINER
+        kind, variable, values = "default", ENFORCE, []
     return Request(
         mode=mode, visible=visible, visible_variable=visible_variable,
         memory_variable=variable, memory_kind=kind, memory_values=tuple(values), dev=dev,
@@ -340,10 +367,13 @@ def visible_gpus(request: Request, gpus: Sequence[GpuInfo],
     return chosen
 
 
-def memsize_on(request: Request, gpu: GpuInfo, k: int) -> int:
-    """Bytes for the container's GPU k (`gpu`), checked against the device."""
+def memsize_on(request: Request, gpu: GpuInfo, k: int, default_memsize: int = 0) -> int:
+    """Bytes for the container's GPU k (`gpu`), checked against the device
+    (`default_memsize`: the tree's, 0 for the whole device)."""
     variable = request.memory_variable
-    if request.memory_kind == "per_device":
+    if request.memory_kind == "default":
+        share = min(default_memsize, gpu.memory_total) or gpu.memory_total
+    elif request.memory_kind == "per_device":
         share = list_element(request.memory_values, k)
     elif request.memory_kind == "container":
         denominator = request.dev if request.dev is not None else -(-gpu.memory_total // GIB)
@@ -376,9 +406,9 @@ def weight_on(request: Request, gpu: GpuInfo, max_inst: int | Mapping[int, int])
 
 def place(request: Request | None, gpus: Sequence[GpuInfo],
           max_inst: int | Mapping[int, int] = DEFAULT_MAX_INST,
-          device_nodes: Sequence[int] = ()) -> Plan:
+          device_nodes: Sequence[int] = (), default_memsize: int = 0) -> Plan:
     """The plan for a parsed request on the host `gpus`, or PlanError
-    (`device_nodes`: see `visible_gpus`)."""
+    (`device_nodes`: see `visible_gpus`; `default_memsize`: `memsize_on`)."""
     if request is None:
         return DISABLED
     chosen = visible_gpus(request, gpus, device_nodes)
@@ -386,7 +416,8 @@ def place(request: Request | None, gpus: Sequence[GpuInfo],
         return DISABLED
     planned = [
         GpuPlan(index=gpu.index, uuid=gpu.uuid, name=gpu.name,
-                memsize=memsize_on(request, gpu, k), weight=weight_on(request, gpu, max_inst),
+                memsize=memsize_on(request, gpu, k, default_memsize),
+                weight=weight_on(request, gpu, max_inst),
                 highprio=request.highprio, util_limit=request.util_limit)
         for k, gpu in enumerate(chosen)
     ]

@@ -402,12 +402,14 @@ GPU_SETS = st.lists(
 
 
 @settings(max_examples=600, deadline=None)
-@given(env=ENVIRONMENTS, gpus=GPU_SETS, max_inst=st.integers(1, 25))
+@given(env=ENVIRONMENTS, gpus=GPU_SETS, max_inst=st.integers(1, 25), enforce=st.booleans(),
+       nodes=st.lists(st.integers(0, 8), max_size=3), default=st.integers(0, 2**41))
 def test_any_environment_gives_a_plan_or_a_plan_error(
-    env: dict[str, str], gpus: list[GpuInfo], max_inst: int
+    env: dict[str, str], gpus: list[GpuInfo], max_inst: int, enforce: bool, nodes: list[int],
+    default: int
 ) -> None:
     try:
-        result = resolve_plan(env, gpus, max_inst)
+        result = place(parse_request(env, enforce, bool(nodes)), gpus, max_inst, nodes, default)
     except PlanError as caught:
         message = str(caught)
         assert message
@@ -422,3 +424,57 @@ def test_any_environment_gives_a_plan_or_a_plan_error(
         assert gpu.highprio in (0, 1)
         assert 0 <= gpu.util_limit <= 95
     json.loads(result.to_json())
+
+
+# --- a node that enforces cGPU ------------------------------------------------
+
+def enforced(env: dict[str, str], gpu_nodes: bool = False, default_memsize: int = 0) -> Plan:
+    return place(parse_request(env, enforce=True, gpu_nodes=gpu_nodes), FOUR,
+                 default_memsize=default_memsize)
+
+
+def test_the_default_leaves_a_container_without_cgpu_variables_alone() -> None:
+    for env in ({"NVIDIA_VISIBLE_DEVICES": "0"}, {"NVIDIA_VISIBLE_DEVICES": "0",
+                "ALIYUN_COM_GPU_MEM_CONTAINER": "0"},
+                {"NVIDIA_VISIBLE_DEVICES": "0", "ALIYUN_COM_GPU_MEM_CONTAINER": "3",
+                 "CGPU_DISABLE": "true"}):
+        assert switch_mode(env) is None
+        assert plan(env) == DISABLED
+
+
+def test_enforcing_manages_every_container_given_a_gpu_with_the_default_memsize() -> None:
+    whole = enforced({"NVIDIA_VISIBLE_DEVICES": "1"})
+    assert [(g.index, g.memsize, g.weight) for g in whole.gpus] == [
+        (1, FOUR[1].memory_total, 1)]
+    assert whole.mode == "cgpu"
+    sized = enforced({"NVIDIA_VISIBLE_DEVICES": "all"}, default_memsize=2 * GIB)
+    assert [(g.index, g.memsize) for g in sized.gpus] == [(i, 2 * GIB) for i in range(4)]
+    assert [g.memsize for g in enforced({"NVIDIA_VISIBLE_DEVICES": "0"},
+                                        default_memsize=1 << 50).gpus] == [FOUR[0].memory_total]
+    # its own cGPU variables still count; device nodes alone give it a GPU too
+    assert [g.memsize for g in enforced({"NVIDIA_VISIBLE_DEVICES": "0",
+                                         "ALIYUN_COM_GPU_MEM_CONTAINER": "6",
+                                         "ALIYUN_COM_GPU_MEM_DEV": "15"}).gpus] == [
+        FOUR[0].memory_total * 6 // 15]
+    assert [g.index for g in enforced({}, gpu_nodes=True).gpus] == [0, 1, 2, 3]
+
+
+def test_enforcing_leaves_a_container_without_a_gpu_alone() -> None:
+    for env in ({}, {"NVIDIA_VISIBLE_DEVICES": "none"}, {"NVIDIA_VISIBLE_DEVICES": "void"},
+                {"NVIDIA_VISIBLE_DEVICES": ""}):
+        assert switch_mode(env, enforce=True) is None
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"CGPU_DISABLE": "true"}, "CGPU_DISABLE: this node enforces cGPU"),
+    ({"CGPU_DISABLE": "1"}, "CGPU_DISABLE: this node enforces cGPU"),
+    ({"ALIYUN_COM_GPU_MEM_CONTAINER": "0"},
+     "ALIYUN_COM_GPU_MEM_CONTAINER: '0' has a 0 element: this node enforces cGPU"),
+    ({"ALIYUN_COM_GPU_MEM_CONTAINER": "3,00"},
+     "ALIYUN_COM_GPU_MEM_CONTAINER: '3,00' has a 0 element: this node enforces cGPU"),
+])
+def test_enforcing_refuses_an_opt_out_with_one_line(env: dict[str, str], message: str) -> None:
+    with pytest.raises(PlanError) as caught:
+        switch_mode({"NVIDIA_VISIBLE_DEVICES": "0", **env}, enforce=True)
+    assert str(caught.value) == (f"{message} (CGPU_ENFORCE): a container given a GPU cannot "
+                                 "opt out")

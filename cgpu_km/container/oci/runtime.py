@@ -44,6 +44,7 @@ from cgpu_km.container.oci.spec import (
     DRIVER_DEVICE,
     SIMGPU_LIBRARIES,
     env_map,
+    gpu_device_nodes,
     with_agreeing_visible,
     with_hooks,
     with_simgpu,
@@ -124,12 +125,14 @@ def check_simgpu(settings: Settings, config_file: Path) -> None:
         raise WrapperError(f"cannot create the simgpu state {state}: {detail}")
 
 
-def managed(process: object) -> bool:
-    """Whether cgpu-hook will manage a container with this OCI `process` (a bad
-    value is the hook's to refuse)."""
+def managed(config: dict[str, Any], enforce: bool) -> bool:
+    """Whether cgpu-hook will manage the container of `config` (a bad value is
+    the hook's to refuse)."""
+    process = config.get("process")
     env = process.get("env") if isinstance(process, dict) else None
     try:
-        return switch_mode(env_map(env if isinstance(env, list) else [])) is not None
+        return switch_mode(env_map(env if isinstance(env, list) else []), enforce,
+                           bool(gpu_device_nodes(config))) is not None
     except PlanError:
         return False
 
@@ -139,7 +142,7 @@ def prepare_bundle(bundle: Path, settings: Settings, config_file: Path) -> None:
     container, make NVIDIA's list of GPUs agree with the limited ones."""
     path = bundle / "config.json"
     config = read_json(path)
-    if managed(config.get("process")):
+    if isinstance(config.get("process"), dict) and managed(config, settings.enforce):
         config = {**config, "process": with_agreeing_visible(config["process"])}
     simulate = simulating(settings)
     if simulate:
