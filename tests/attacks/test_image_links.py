@@ -19,18 +19,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.tree import client as treefs
+from tests.attacks.hostfiles import HostFiles, host_files
 from tests.attacks.node import HOOK, NOBODY, SETPRIV, Node, fields
 
 LIMIT = 256 << 20
@@ -40,34 +39,13 @@ UNENFORCEABLE = "libcgpu cannot be enforced"
 OFF_IMAGE = "a mount that is not the image's own filesystem"
 
 
-@dataclass(frozen=True)
-class Host:
-    """What the host holds that no image may reach: an empty folder, a root-only file."""
-
-    sentinel: Path
-    secret: Path
-    content: str
-
-    def untouched(self) -> None:
-        assert list(self.sentinel.iterdir()) == []
-        assert self.secret.read_text() == self.content
-        found = self.secret.stat()
-        assert (found.st_uid, found.st_mode & 0o7777) == (0, 0o600)
+Host = HostFiles
 
 
 @pytest.fixture
-def host() -> Iterator[Host]:
-    folders = [Path(tempfile.mkdtemp(prefix=f"cgpu-{what}-")) for what in ("sentinel", "secret")]
-    try:
-        sentinel, secret_dir = folders
-        secret = secret_dir / "secret"
-        content = f"host-secret-{secrets.token_hex(8)}\n"
-        secret.write_text(content)
-        secret.chmod(0o600)
-        yield Host(sentinel, secret, content)
-    finally:
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
+def host() -> Iterator[HostFiles]:
+    with host_files() as files:
+        yield files
 
 
 Edit = Callable[[Path], None]
@@ -184,7 +162,8 @@ def test_an_image_link_that_stays_inside_starts_with_libcgpu_enforced(
     assert (alloc, under) == ("alloc rc=2", "alloc rc=0")
     preload = container.sh("cat /etc/ld.so.preload")
     assert preload.splitlines() == [LIBRARY], preload
-    shown = container.sh(f"cat /etc/ld.so.preload {host.secret} 2>&1 | grep -c {host.content}")
+    shown = container.sh(f"cat /etc/ld.so.preload {host.secret} 2>&1 | "
+                         f"grep -c {host.content.strip()}")
     assert shown.strip() == "0"
     host.untouched()
 
