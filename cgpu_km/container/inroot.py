@@ -10,10 +10,13 @@ with RESOLVE_IN_ROOT, done by hand so that the hook knows the path the
 container will see (for its one-line errors) and where each folder is
 mounted.
 
-Every folder walked through must be on the root filesystem's own mount: a
-link that leads onto /dev, /proc, /sys (which the runtime mounts and which
-differ between host and container) or onto a volume of the host is refused,
-so nothing is ever created, truncated or mounted off the image's own files.
+Every folder walked through must be on the root filesystem's own mount, or
+on a tmpfs the runtime made for the container alone (ctr's /run, a
+`--tmpfs`: mounted from its own root, not shared with any other mount, and
+not /dev, whose /dev/shm a runtime may share with the host). A link that
+leads onto /dev, /proc, /sys (which the runtime mounts, and which differ
+between host and container) or onto a volume of the host is refused, so
+nothing is ever created, truncated or mounted off the container's own files.
 
 The mounts themselves use the new mount API (Linux 5.12+), through ctypes:
 `clone_tree` takes a detached copy of a host file's mount while the caller is
@@ -97,6 +100,36 @@ def mount_id(fd: int) -> int:
     raise OSError(f"no mnt_id for fd {fd}")
 
 
+@dataclass(frozen=True)
+class MountInfo:
+    """One line of /proc/self/mountinfo, the fields that matter here."""
+
+    root: str  # the path inside its filesystem that is mounted
+    fstype: str
+    shared: bool  # it has a peer group: mounts on it propagate elsewhere
+
+
+def parse_mountinfo(text: str) -> dict[int, MountInfo]:
+    """Mount id -> its information (proc(5)'s mountinfo; odd lines are skipped)."""
+    mounts: dict[int, MountInfo] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:] or not fields[0].isdigit():
+            continue
+        dash = fields.index("-", 6)
+        if dash + 1 >= len(fields):
+            continue
+        shared = any(tag.startswith("shared:") for tag in fields[6:dash])
+        mounts[int(fields[0])] = MountInfo(fields[3], fields[dash + 1], shared)
+    return mounts
+
+
+def container_tmpfs(info: MountInfo | None, path: str) -> bool:
+    """Whether a mount at `path` (in the container) is a tmpfs of its own."""
+    return (info is not None and info.fstype == "tmpfs" and info.root == "/"
+            and not info.shared and path != "/dev" and not path.startswith("/dev/"))
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a folder"
@@ -132,9 +165,12 @@ class Root:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.mount = mount_id(fd)
+        with open("/proc/self/mountinfo") as mountinfo:
+            self.mounts = parse_mountinfo(mountinfo.read())
 
     def _on_image(self, fd: int, path: str, asked: str, link: str | None) -> None:
-        if mount_id(fd) != self.mount:
+        mount = mount_id(fd)
+        if mount != self.mount and not container_tmpfs(self.mounts.get(mount), path):
             via = f"is a link to {link}, which leads to" if link else "is on"
             raise InRootError(f"{asked} in the image {via} {path or '/'}, a mount that is not "
                               "the image's own filesystem")
@@ -200,13 +236,13 @@ class Root:
                 os.close(fd)
 
     def _image_file(self, asked: str, entry: Entry) -> None:
-        """Refuse an entry that is not a plain file of the image itself."""
+        """Refuse an entry that is not a plain file, or is a mount of its own."""
         assert entry.fd is not None
         mode = os.fstat(entry.fd).st_mode
         shown = "" if entry.path == asked else f" (at {entry.path})"
         if not stat.S_ISREG(mode):
             raise InRootError(f"{asked} in the image is {_kind(mode)}{shown}, not a file")
-        if mount_id(entry.fd) != self.mount:
+        if mount_id(entry.fd) != mount_id(entry.parent):
             raise InRootError(f"{asked} in the image is a mount{shown}, not a file of the "
                               "image's own filesystem")
 

@@ -417,17 +417,21 @@ class Node:
 
     def container(self, env: Mapping[str, str], *, user: int = NOBODY,
                   files: Mapping[str, str] | None = None,
-                  image: Callable[[Path], None] | None = None) -> Container:
+                  image: Callable[[Path], None] | None = None,
+                  mounts: Sequence[Mapping[str, object]] = ()) -> Container:
         """Start a container (`runc run --detach`, init `sleep`) with the hook and `env`;
         `files` are written into its rootfs first (path -> text, executable), then
-        `image(rootfs)` edits it further (links, folders: what an image may hold)."""
-        container, code, errors = self.try_container(env, user=user, files=files, image=image)
+        `image(rootfs)` edits it further (links, folders: what an image may hold);
+        `mounts` are added to its config's."""
+        container, code, errors = self.try_container(env, user=user, files=files, image=image,
+                                                     mounts=mounts)
         assert code == 0, f"runc run failed: {errors}"
         return container
 
     def try_container(self, env: Mapping[str, str], *, user: int = NOBODY,
                       files: Mapping[str, str] | None = None,
-                      image: Callable[[Path], None] | None = None
+                      image: Callable[[Path], None] | None = None,
+                      mounts: Sequence[Mapping[str, object]] = ()
                       ) -> tuple[Container, int, str]:
         """As `container`, but the start may fail: (container, runc's status, its stderr)."""
         container_id = uuid.uuid4().hex
@@ -444,7 +448,11 @@ class Node:
             target.chmod(0o755)
         if image is not None:
             image(rootfs)
-        (bundle / "config.json").write_text(json.dumps(self._config(bundle, env, user)))
+        config = self._config(bundle, env, user)
+        config_mounts = config["mounts"]
+        assert isinstance(config_mounts, list)
+        config_mounts += [dict(mount) for mount in mounts]
+        (bundle / "config.json").write_text(json.dumps(config))
         container = Container(self, container_id, bundle, rootfs, out, user)
         self.containers.append(container)
         assert RUNC is not None

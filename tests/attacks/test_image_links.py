@@ -233,3 +233,21 @@ def test_a_host_user_cannot_use_the_hook(node: Node, host: Host) -> None:
     finally:
         shutil.rmtree(bundle, ignore_errors=True)
     host.untouched()
+
+
+TMPFS_RUN = {"destination": "/run", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=755"]}
+
+
+@pytest.mark.parametrize("make", [
+    lambda h: None, lambda h: link("/run", "/tmp/run"),
+], ids=["tmpfs /run", "/run -> a tmpfs /tmp/run"])
+def test_a_tmpfs_of_the_container_s_own_takes_the_region(
+    node: Node, host: Host, make: Callable[[Host], Edit | None]
+) -> None:
+    """ctr and `--tmpfs` mount a fresh tmpfs of the container's own: /run/cgpu goes there."""
+    mount = TMPFS_RUN if make(host) is None else {**TMPFS_RUN, "destination": "/tmp"}
+    container = node.container(CGPU_256, image=make(host), mounts=[mount])
+    assert container.run(f"alloc {LIMIT + 1}") == ["alloc rc=2"]
+    assert container.sh("cat /etc/ld.so.preload").splitlines() == [LIBRARY]
+    host.untouched()
