@@ -26,10 +26,12 @@ destination, so a mount lands on the very file the walk found.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import stat
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 MAX_LINKS = 40  # as the kernel's path walk
@@ -260,16 +262,26 @@ class Root:
             raise
         return entry
 
-    def read_small_file(self, asked: str, cap: int = PRELOAD_CAP) -> bytes | None:
-        """The content of the regular file at `asked`, None when there is none.
-        Anything but a regular file of at most `cap` bytes is InRootError."""
+    @contextlib.contextmanager
+    def _existing(self, asked: str) -> Iterator[Entry | None]:
+        """The entry at `asked` when something is there, else None; closed after."""
         try:
             entry = self.resolve(asked, make_folders=False)
         except FileNotFoundError:
-            return None
+            yield None
+            return
         try:
-            if entry.fd is None:
+            yield entry if entry.fd is not None else None
+        finally:
+            entry.close()
+
+    def read_small_file(self, asked: str, cap: int = PRELOAD_CAP) -> bytes | None:
+        """The content of the regular file at `asked`, None when there is none.
+        Anything but a regular file of at most `cap` bytes is InRootError."""
+        with self._existing(asked) as entry:
+            if entry is None:
                 return None
+            assert entry.fd is not None
             self._image_file(asked, entry)
             fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
                          | os.O_CLOEXEC, dir_fd=entry.parent)
@@ -279,22 +291,14 @@ class Root:
                 data = os.read(fd, cap + 1)
             finally:
                 os.close(fd)
-            if len(data) > cap:
-                raise InRootError(f"{asked} in the image is larger than {cap >> 10} KiB")
-            return data
-        finally:
-            entry.close()
+        if len(data) > cap:
+            raise InRootError(f"{asked} in the image is larger than {cap >> 10} KiB")
+        return data
 
     def identity(self, asked: str) -> tuple[int, int] | None:
         """(st_dev, st_ino) of what `asked` names now, following mounts; None if absent."""
-        try:
-            entry = self.resolve(asked, make_folders=False)
-        except FileNotFoundError:
-            return None
-        try:
-            if entry.fd is None:
+        with self._existing(asked) as entry:
+            if entry is None or entry.fd is None:
                 return None
             found = os.fstat(entry.fd)
             return found.st_dev, found.st_ino
-        finally:
-            entry.close()

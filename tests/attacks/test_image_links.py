@@ -96,37 +96,35 @@ STARTS = [
     ("library -> host file", lambda h: link(LIBRARY, str(h.secret))),
     ("preload -> missing folders -> host file",
      lambda h: link("/etc/ld.so.preload", "/nowhere/../nowhere2/x/../" + h.secret.name)),
+    ("/run/cgpu -> a missing folder", lambda h: link("/run/cgpu", "/missing/deeper")),
 ]
+def leads(asked: str, target: str, mount: str) -> str:
+    """The refusal of a path whose first link leads onto another mount."""
+    return f"{asked} in the image is a link to {target}, which leads to {mount}, {OFF_IMAGE}"
+
+
 REFUSED = [
     ("preload -> ../dev/leak -> host file",
      lambda h: both(link("/etc/ld.so.preload", "../dev/leak"), link("/dev/leak", str(h.secret))),
-     f"/etc/ld.so.preload in the image is a link to ../dev/leak, which leads to /dev, "
-     f"{OFF_IMAGE}"),
+     leads("/etc/ld.so.preload", "../dev/leak", "/dev")),
     ("preload -> /dev/shm/leak", lambda h: link("/etc/ld.so.preload", "/dev/shm/leak"),
-     f"/etc/ld.so.preload in the image is a link to /dev/shm/leak, which leads to /dev, "
-     f"{OFF_IMAGE}"),
+     leads("/etc/ld.so.preload", "/dev/shm/leak", "/dev")),
     ("preload -> /dev/zero", lambda h: link("/etc/ld.so.preload", "/dev/zero"),
-     f"/etc/ld.so.preload in the image is a link to /dev/zero, which leads to /dev, "
-     f"{OFF_IMAGE}"),
+     leads("/etc/ld.so.preload", "/dev/zero", "/dev")),
     ("preload -> /proc/self/root/...",
      lambda h: link("/etc/ld.so.preload", f"/proc/self/root{h.secret}"),
-     f"/etc/ld.so.preload in the image is a link to /proc/self/root{{secret}}, which leads "
-     f"to /proc, {OFF_IMAGE}"),
+     leads("/etc/ld.so.preload", "/proc/self/root{secret}", "/proc")),
     ("/etc -> /dev", lambda h: link("/etc", "/dev"),
-     f"/etc/ld.so.preload in the image is a link to /dev, which leads to /dev, {OFF_IMAGE}"),
+     leads("/etc/ld.so.preload", "/dev", "/dev")),
     ("/run/cgpu -> /dev/shm", lambda h: link("/run/cgpu", "/dev/shm"),
-     f"/run/cgpu/control in the image is a link to /dev/shm, which leads to /dev, "
-     f"{OFF_IMAGE}"),
+     leads("/run/cgpu/control", "/dev/shm", "/dev")),
     ("library folder -> /proc/1/root/tmp", lambda h: link("/usr/local/lib/cgpu",
                                                          "/proc/1/root/tmp"),
-     f"{LIBRARY} in the image is a link to /proc/1/root/tmp, which leads to /proc, "
-     f"{OFF_IMAGE}"),
+     leads(LIBRARY, "/proc/1/root/tmp", "/proc")),
     ("/run/cgpu -> ../sys/kernel", lambda h: link("/run/cgpu", "../sys/kernel"),
-     f"/run/cgpu/control in the image is a link to ../sys/kernel, which leads to /sys, "
-     f"{OFF_IMAGE}"),
+     leads("/run/cgpu/control", "../sys/kernel", "/sys")),
     ("preload -> host volume /out", lambda h: link("/etc/ld.so.preload", "/out/leak"),
-     f"/etc/ld.so.preload in the image is a link to /out/leak, which leads to /out, "
-     f"{OFF_IMAGE}"),
+     leads("/etc/ld.so.preload", "/out/leak", "/out")),
     ("preload -> itself", lambda h: link("/etc/ld.so.preload", "ld.so.preload"),
      "/etc/ld.so.preload in the image is a loop of links"),
     ("preload through a file", lambda h: link("/etc/ld.so.preload", "/bin/busybox/x"),
