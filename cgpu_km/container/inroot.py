@@ -185,7 +185,7 @@ class Root:
         stack: list[tuple[int, str]] = [(os.dup(self.fd), "")]
         pending = deque(part for part in asked.split("/") if part)
         first_link: str | None = None
-        links = 0
+        links = changes = 0
         try:
             while pending:
                 name = pending.popleft()
@@ -206,9 +206,15 @@ class Root:
                     if not make_folders:
                         raise
                     self._on_image(folder, folder_path, asked, first_link)
-                    os.mkdir(name, 0o755, dir_fd=folder)
-                    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY
-                                 | os.O_CLOEXEC, dir_fd=folder)
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=folder)
+                    except FileExistsError:  # made meanwhile: look again
+                        changes += 1
+                        if changes > MAX_LINKS:
+                            raise InRootError(f"{asked} in the image keeps changing") from None
+                        pending.appendleft(name)
+                        continue
+                    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
                 mode = os.fstat(fd).st_mode
                 if stat.S_ISLNK(mode):
                     target = os.readlink("", dir_fd=fd)
@@ -251,16 +257,22 @@ class Root:
     def file_target(self, asked: str) -> Entry:
         """An fd of the file at `asked` to mount onto: made (empty) if missing; a
         file of the image is used as it is (never truncated)."""
-        entry = self.resolve(asked, make_folders=True)
-        try:
-            if entry.fd is None:
-                entry.fd = os.open(entry.name, os.O_CREAT | os.O_EXCL | os.O_WRONLY
-                                   | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=entry.parent)
-            self._image_file(asked, entry)
-        except BaseException:
-            entry.close()
-            raise
-        return entry
+        for _ in range(MAX_LINKS):
+            entry = self.resolve(asked, make_folders=True)
+            try:
+                if entry.fd is None:
+                    entry.fd = os.open(entry.name, os.O_CREAT | os.O_EXCL | os.O_WRONLY
+                                       | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                                       dir_fd=entry.parent)
+                self._image_file(asked, entry)
+            except FileExistsError:  # made meanwhile: look again
+                entry.close()
+                continue
+            except BaseException:
+                entry.close()
+                raise
+            return entry
+        raise InRootError(f"{asked} in the image keeps changing")
 
     @contextlib.contextmanager
     def _existing(self, asked: str) -> Iterator[Entry | None]:

@@ -431,14 +431,19 @@ class Node:
     def try_container(self, env: Mapping[str, str], *, user: int = NOBODY,
                       files: Mapping[str, str] | None = None,
                       image: Callable[[Path], None] | None = None,
-                      mounts: Sequence[Mapping[str, object]] = ()
+                      mounts: Sequence[Mapping[str, object]] = (),
+                      rootfs_of: Container | None = None
                       ) -> tuple[Container, int, str]:
-        """As `container`, but the start may fail: (container, runc's status, its stderr)."""
+        """As `container`, but the start may fail: (container, runc's status, its stderr).
+        With `rootfs_of`, it runs on that container's root filesystem, not a copy."""
         container_id = uuid.uuid4().hex
         bundle = self.base / container_id
         rootfs, out = bundle / "rootfs", bundle / "out"
         bundle.mkdir()
-        subprocess.run(["cp", "-a", str(self.base_rootfs), str(rootfs)], check=True)
+        if rootfs_of is None:
+            subprocess.run(["cp", "-a", str(self.base_rootfs), str(rootfs)], check=True)
+        else:
+            rootfs = rootfs_of.rootfs
         out.mkdir(parents=True)
         out.chmod(0o777)
         for path, text in (files or {}).items():
@@ -449,6 +454,7 @@ class Node:
         if image is not None:
             image(rootfs)
         config = self._config(bundle, env, user)
+        config["root"] = {"path": str(rootfs), "readonly": False}
         config_mounts = config["mounts"]
         assert isinstance(config_mounts, list)
         config_mounts += [dict(mount) for mount in mounts]

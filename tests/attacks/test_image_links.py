@@ -249,3 +249,53 @@ def test_a_tmpfs_of_the_container_s_own_takes_the_region(
     assert container.run(f"alloc {LIMIT + 1}") == ["alloc rc=2"]
     assert container.sh("cat /etc/ld.so.preload").splitlines() == [LIBRARY]
     host.untouched()
+
+
+# Swaps /etc and /run for links onto /dev and back, by renames that keep
+# what is mounted below them (a name that is itself a mount point in another
+# container is not touched: see the security model), until /stop exists.
+RACER = """
+while [ ! -e /stop ]; do
+    mv /etc /etc.real && ln -s ../dev /etc && rm /etc && mv /etc.real /etc
+    mv /run /run.real && ln -s /dev/shm /run && rm /run && mv /run.real /run
+    echo swapped
+done
+"""
+PARTS = ("/run/cgpu/control", "/run/cgpu/account")
+RACE_REFUSALS = (leads("/etc/ld.so.preload", "../dev", "/dev"),
+                 *(leads(part, "/dev/shm", "/dev") for part in PARTS),
+                 *(f"{path} in the container is not the file the hook mounted there"
+                   for path in (LIBRARY, *PARTS, "/etc/ld.so.preload")),
+                 *(f"{path} in the image keeps changing"
+                   for path in (LIBRARY, *PARTS, "/etc/ld.so.preload")))
+
+
+def test_links_swapped_while_the_hook_walks_never_lead_it_out(node: Node, host: Host) -> None:
+    """A container on the same root filesystem swaps /etc and /run for links onto /dev
+    and back, as fast as it can, while containers start on it: each start passes the
+    hook's check from the container's side or is refused with one line, and the host
+    is untouched. (What the racer's folder moves do after a start is the folder-move
+    bypass of the security model, not the hook's walk.)"""
+    racer = node.container({}, user=0)
+    swapping = subprocess.Popen(racer.exec_args(["/bin/sh", "-c", RACER]),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    started: list[object] = []
+    refused: list[str] = []
+    try:
+        for _ in range(12):
+            container, code, errors = node.try_container(CGPU_256, rootfs_of=racer)
+            if code == 0:
+                started.append(container)
+                continue
+            lines = hook_message(errors)
+            assert len(lines) == 1, errors
+            refused.append(lines[0].removeprefix("cgpu-hook: ").removesuffix(
+                f"; {UNENFORCEABLE}"))
+    finally:
+        (racer.rootfs / "stop").touch()
+        swaps, _ = swapping.communicate(timeout=60)  # its last moves may fail: no status
+    assert swaps.count("swapped") > 12  # it raced all along
+    assert len(started) + len(refused) == 12
+    assert set(refused) <= set(RACE_REFUSALS), refused
+    host.untouched()
