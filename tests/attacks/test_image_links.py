@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -79,6 +80,11 @@ def preload_pipe(rootfs: Path) -> None:
     os.mkfifo(rootfs / "etc" / "ld.so.preload")
 
 
+def preload_zero_device(rootfs: Path) -> None:
+    """/etc/ld.so.preload as a copy of /dev/zero's node, in the image itself."""
+    os.mknod(rootfs / "etc" / "ld.so.preload", 0o644 | stat.S_IFCHR, os.makedev(1, 5))
+
+
 def preload_too_large(rootfs: Path) -> None:
     (rootfs / "etc" / "ld.so.preload").write_text("#" * (64 << 10) + "\n")
 
@@ -134,6 +140,8 @@ REFUSED = [
      "/etc/ld.so.preload in the image is a folder, not a file"),
     ("preload is a pipe", lambda h: preload_pipe,
      "/etc/ld.so.preload in the image is a pipe, not a file"),
+    ("preload is a zero device node", lambda h: preload_zero_device,
+     "/etc/ld.so.preload in the image is a device, not a file"),
     ("preload over 64 KiB", lambda h: preload_too_large,
      "/etc/ld.so.preload in the image is larger than 64 KiB"),
     ("preload -> the account part", lambda h: link("/etc/ld.so.preload", "/run/cgpu/account"),
