@@ -265,7 +265,7 @@ class Root:
                                        | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                                        dir_fd=entry.parent)
                 self._image_file(asked, entry)
-            except FileExistsError:  # made meanwhile: look again
+            except (FileExistsError, FileNotFoundError):  # changed meanwhile: look again
                 entry.close()
                 continue
             except BaseException:
@@ -295,11 +295,11 @@ class Root:
                 return None
             assert entry.fd is not None
             self._image_file(asked, entry)
-            fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC, dir_fd=entry.parent)
+            # Reopened through the fd itself (no name is looked up again): the
+            # very file that was checked.
+            fd = os.open(f"/proc/self/fd/{entry.fd}", os.O_RDONLY | os.O_NONBLOCK
+                         | os.O_CLOEXEC)
             try:
-                if not os.path.samestat(os.fstat(fd), os.fstat(entry.fd)):
-                    raise InRootError(f"{asked} in the image changed while it was read")
                 data = os.read(fd, cap + 1)
             finally:
                 os.close(fd)

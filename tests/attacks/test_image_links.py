@@ -305,5 +305,8 @@ def test_links_swapped_while_the_hook_walks_never_lead_it_out(node: Node, host: 
         swaps, _ = swapping.communicate(timeout=60)  # its last moves may fail: no status
     assert swaps.count("swapped") > 12  # it raced all along
     assert len(started) + len(refused) == 12
-    assert set(refused) <= set(RACE_REFUSALS), refused
+    # a file moved between the walk and the mount fails that mount: one line too
+    unexpected = [why for why in refused if why not in RACE_REFUSALS
+                  and not why.startswith("placing libcgpu in the container failed: ")]
+    assert unexpected == [], refused
     host.untouched()
