@@ -34,6 +34,7 @@ GIB = 1 << 30
 DEFAULT_RESERVED_MIB = 10
 DEFAULT_MAX_INST = 16
 UTIL_LIMIT_MAX = 95
+MAX_DIGITS = 20  # above 2**64: no value of a variable needs more
 
 MEM_CONTAINER = "ALIYUN_COM_GPU_MEM_CONTAINER"
 MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"
@@ -48,8 +49,10 @@ WEIGHT = "ALIYUN_COM_GPU_SCHD_WEIGHT"
 HIGH_PRIO = "ALIYUN_COM_GPU_HIGH_PRIO"
 UTIL_PER_DEVICE = "GPU_UTIL_PER_DEVICE"
 OOM_SCRIPT = "ALIYUN_COM_GPU_OOM_SCRIPT"
+ENFORCE = "CGPU_ENFORCE"  # the node's setting, in cgpu-hook's own environment: 1 = on
 
 Mode = Literal["cgpu", "egpu"]
+MemoryKind = Literal["per_device", "container", "whole", "default"]
 
 _UNSIGNED = re.compile(r"[0-9]+", re.ASCII)
 _SIGNED = re.compile(r"[+-]?[0-9]+", re.ASCII)
@@ -116,10 +119,18 @@ def parse_uint(name: str, text: str) -> int:
     """A non-negative decimal integer, or PlanError naming `name`."""
     text = text.strip()
     if _UNSIGNED.fullmatch(text):
-        return int(text)
+        return _digits(name, text)
     if _SIGNED.fullmatch(text) and text.startswith("-"):
         raise PlanError(f"{name}: {_show(text)} is negative")
     raise PlanError(f"{name}: {_show(text)} is not a whole number")
+
+
+def _digits(name: str, digits: str) -> int:
+    """The value of a string of ASCII digits of any length, or PlanError."""
+    significant = digits.lstrip("0")
+    if len(significant) > MAX_DIGITS:
+        raise PlanError(f"{name}: {_show(digits)} is too large (more than {MAX_DIGITS} digits)")
+    return int(significant or "0")
 
 
 def parse_uint_list(name: str, text: str) -> list[int]:
@@ -137,24 +148,47 @@ def list_element(values: Sequence[int], k: int) -> int:
 
 def _is_zero(text: str) -> bool:
     text = text.strip()
-    return bool(_UNSIGNED.fullmatch(text)) and int(text) == 0
+    return bool(_UNSIGNED.fullmatch(text)) and not text.strip("0")
 
 
-def switch_mode(env: Mapping[str, str]) -> Mode | None:
-    """Which switch is on: 'egpu', 'cgpu' or None (leave the container alone)."""
+def given_a_gpu(env: Mapping[str, str], gpu_nodes: bool = False) -> bool:
+    """Whether the runtime gives the container a GPU: a visible-devices variable
+    that names one (or all), or GPU device nodes in its config (`gpu_nodes`)."""
+    listed = _get(env, VISIBLE_ALIYUN) or _get(env, VISIBLE_NVIDIA)
+    return gpu_nodes or (listed is not None and listed.lower() not in _NO_GPU_WORDS)
+
+
+def _refuse_opt_out(mem: str | None, disabled: bool) -> None:
+    why = f"this node enforces cGPU ({ENFORCE}): a container given a GPU cannot opt out"
+    if disabled:
+        raise PlanError(f"{CGPU_DISABLE}: {why}")
+    if mem is not None and any(_is_zero(item) for item in mem.split(",")):
+        raise PlanError(f"{MEM_CONTAINER}: {_show(mem)} has a 0 element: {why}")
+
+
+def switch_mode(env: Mapping[str, str], enforce: bool = False,
+                gpu_nodes: bool = False) -> Mode | None:
+    """Which switch is on: 'egpu', 'cgpu' or None (leave the container alone).
+
+    On a node that enforces cGPU (`enforce`), every container given a GPU is
+    managed, and CGPU_DISABLE or a 0 element is refused instead of obeyed."""
     egpu = _get(env, EGPU_ENABLE)
-    if egpu is not None:
-        if egpu == "1":
-            return "egpu"
-        if egpu != "0":
-            raise PlanError(f"{EGPU_ENABLE}: {_show(egpu)} is not 0 or 1")
+    if egpu is not None and egpu not in ("0", "1"):
+        raise PlanError(f"{EGPU_ENABLE}: {_show(egpu)} is not 0 or 1")
     mem = _get(env, MEM_CONTAINER)
-    if mem is None or any(_is_zero(item) for item in mem.split(",")):
-        return None
     disable = _get(env, CGPU_DISABLE)
-    if disable is not None and disable.lower() in ("true", "1"):
+    disabled = disable is not None and disable.lower() in ("true", "1")
+    if enforce and given_a_gpu(env, gpu_nodes):
+        _refuse_opt_out(mem, disabled)
+        return "egpu" if egpu == "1" else "cgpu"
+    if egpu == "1":
+        return "egpu"
+    if mem is None or any(_is_zero(item) for item in mem.split(",")) or disabled:
         return None
     return "cgpu"
+
+
+GpuList = tuple[int | str, ...]
 
 
 @dataclass(frozen=True)
@@ -162,17 +196,20 @@ class Request:
     """What the environment asks for, parsed and checked without the GPUs.
 
     `visible` is None for every GPU, else the listed indexes (int) and UUIDs
-    (str) in order. `memory_kind` says which formula applies to
-    `memory_values` (bytes, shares of `dev`, or the whole device); `dev` is
-    None when the denominator is the device's size in whole GiB. `reserve`
-    is in bytes and `weight` None means the default.
+    (str) in order; `exposed` is NVIDIA_VISIBLE_DEVICES's list when
+    ALIYUN_COM_GPU_VISIBLE_DEVICES names the limited ones (False when unset).
+    `memory_kind` says which formula applies to `memory_values` (bytes,
+    shares of `dev`, the whole device, or the tree's default_memsize on a node
+    that enforces cGPU); `dev` is None when the
+    denominator is the device's size in whole GiB. `reserve` is in bytes and
+    `weight` None means the default.
     """
 
     mode: Mode
-    visible: tuple[int | str, ...] | None
+    visible: GpuList | None
     visible_variable: str
     memory_variable: str
-    memory_kind: Literal["per_device", "container", "whole"]
+    memory_kind: MemoryKind
     memory_values: tuple[int, ...]
     dev: int | None
     reserve: int
@@ -180,23 +217,34 @@ class Request:
     highprio: int
     util_limit: int
     oom_script: str | None
+    exposed: GpuList | bool | None = False
 
 
-def _visible(env: Mapping[str, str]) -> tuple[str, tuple[int | str, ...] | None]:
-    name = VISIBLE_ALIYUN
-    text = _get(env, VISIBLE_ALIYUN)
-    if text is None:
-        name, text = VISIBLE_NVIDIA, _get(env, VISIBLE_NVIDIA)
+def _gpu_list(name: str, text: str | None) -> GpuList | None:
+    """A visible-devices value: None for every GPU, () for none, else the items
+    (indexes as int, UUIDs as str)."""
     if text is None or text.lower() == "all":
-        return name, None
+        return None
     if text.lower() in _NO_GPU_WORDS:
-        return name, ()
+        return ()
     items: list[int | str] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             raise PlanError(f"{name}: {_show(text)} has an empty element")
-        items.append(int(item) if _UNSIGNED.fullmatch(item) else item)
-    return name, tuple(items)
+        items.append(_digits(name, item) if _UNSIGNED.fullmatch(item) else item)
+    return tuple(items)
+
+
+def _visible(env: Mapping[str, str]) -> tuple[str, GpuList | None, GpuList | bool | None]:
+    """(the variable that names the limited GPUs, its list, NVIDIA's list when
+    both are set: what NVIDIA's runtime exposes, which must be the same GPUs;
+    False when there is nothing to compare)."""
+    aliyun = _get(env, VISIBLE_ALIYUN)
+    nvidia = _get(env, VISIBLE_NVIDIA)
+    if aliyun is None:
+        return VISIBLE_NVIDIA, _gpu_list(VISIBLE_NVIDIA, nvidia), False
+    exposed = False if nvidia is None else _gpu_list(VISIBLE_NVIDIA, nvidia)
+    return VISIBLE_ALIYUN, _gpu_list(VISIBLE_ALIYUN, aliyun), exposed
 
 
 def _reserve(env: Mapping[str, str], mode: Mode) -> int:
@@ -234,18 +282,20 @@ def _util_limit(env: Mapping[str, str]) -> int:
     return percent if percent <= UTIL_LIMIT_MAX else 0
 
 
-def parse_request(env: Mapping[str, str]) -> Request | None:
-    """The checked request, None when no switch is on, or PlanError."""
-    mode = switch_mode(env)
+def parse_request(env: Mapping[str, str], enforce: bool = False,
+                  gpu_nodes: bool = False) -> Request | None:
+    """The checked request, None when no switch is on, or PlanError (`enforce`,
+    `gpu_nodes`: see `switch_mode`)."""
+    mode = switch_mode(env, enforce, gpu_nodes)
     if mode is None:
         return None
     if mode == "egpu":
         _flag(env, EGPU_HOST_DAEMON)  # accepted; the host daemon is always used
-    visible_variable, visible = _visible(env)
+    visible_variable, visible, exposed = _visible(env)
     per_device = _get(env, MEM_PER_DEVICE)
     container = _get(env, MEM_CONTAINER)
     dev: int | None = None
-    kind: Literal["per_device", "container", "whole"]
+    kind: MemoryKind
     if per_device is not None:
         kind, variable = "per_device", MEM_PER_DEVICE
         values = parse_uint_list(MEM_PER_DEVICE, per_device)
@@ -256,26 +306,27 @@ def parse_request(env: Mapping[str, str]) -> Request | None:
         dev = None if dev_text is None else parse_uint(MEM_DEV, dev_text)
         if dev == 0:
             raise PlanError(f"{MEM_DEV}: must be above 0")
-    else:  # only eGPU gets here: the cGPU switch needs MEM_CONTAINER
+    elif mode == "egpu":
         kind, variable, values = "whole", MEM_RESERVED, []
+    else:  # only an enforcing node gets here: the cGPU switch needs MEM_CONTAINER
+        kind, variable, values = "default", ENFORCE, []
     return Request(
         mode=mode, visible=visible, visible_variable=visible_variable,
         memory_variable=variable, memory_kind=kind, memory_values=tuple(values), dev=dev,
         reserve=_reserve(env, mode), weight=_weight(env), highprio=_flag(env, HIGH_PRIO),
         util_limit=_util_limit(env),
-        oom_script=_get(env, OOM_SCRIPT) if mode == "egpu" else None,
+        oom_script=_get(env, OOM_SCRIPT) if mode == "egpu" else None, exposed=exposed,
     )
 
 
-def visible_gpus(request: Request, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
-    """The container's GPUs in its own order (its GPU k is element k)."""
-    if request.visible is None:
+def listed_gpus(name: str, listed: GpuList | None, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+    """The GPUs a visible-devices list names, in its order, or PlanError."""
+    if listed is None:
         return list(gpus)
-    name = request.visible_variable
     by_index = {gpu.index: gpu for gpu in gpus}
     by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
     chosen: list[GpuInfo] = []
-    for item in request.visible:
+    for item in listed:
         if isinstance(item, int):
             gpu, what = by_index.get(item), "index"
         else:
@@ -289,10 +340,40 @@ def visible_gpus(request: Request, gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
     return chosen
 
 
-def memsize_on(request: Request, gpu: GpuInfo, k: int) -> int:
-    """Bytes for the container's GPU k (`gpu`), checked against the device."""
+def _indexes(gpus: Sequence[GpuInfo] | Sequence[int]) -> str:
+    numbers = sorted(g if isinstance(g, int) else g.index for g in gpus)
+    return ",".join(map(str, numbers)) or "none"
+
+
+def visible_gpus(request: Request, gpus: Sequence[GpuInfo],
+                 device_nodes: Sequence[int] = ()) -> list[GpuInfo]:
+    """The container's GPUs in its own order (its GPU k is element k).
+
+    They must be every GPU the runtime gives the container: NVIDIA's list
+    when ALIYUN_COM_GPU_VISIBLE_DEVICES names the limited ones, and the GPU
+    device nodes of its config (`--device`, CDI: `device_nodes`, minor numbers)."""
+    name = request.visible_variable
+    chosen = listed_gpus(name, request.visible, gpus)
+    if not isinstance(request.exposed, bool):
+        exposed = listed_gpus(VISIBLE_NVIDIA, request.exposed, gpus)
+        if {g.index for g in exposed} != {g.index for g in chosen}:
+            raise PlanError(f"{name}: limits GPU(s) {_indexes(chosen)} but {VISIBLE_NVIDIA} "
+                            f"gives the container GPU(s) {_indexes(exposed)}: name the same "
+                            "GPUs in both")
+    unlimited = sorted(set(device_nodes) - {g.index for g in chosen})
+    if unlimited:
+        raise PlanError(f"{name}: limits GPU(s) {_indexes(chosen)} but the container is also "
+                        f"given /dev/nvidia{unlimited[0]}, a GPU without a limit")
+    return chosen
+
+
+def memsize_on(request: Request, gpu: GpuInfo, k: int, default_memsize: int = 0) -> int:
+    """Bytes for the container's GPU k (`gpu`), checked against the device
+    (`default_memsize`: the tree's, 0 for the whole device)."""
     variable = request.memory_variable
-    if request.memory_kind == "per_device":
+    if request.memory_kind == "default":
+        share = min(default_memsize, gpu.memory_total) or gpu.memory_total
+    elif request.memory_kind == "per_device":
         share = list_element(request.memory_values, k)
     elif request.memory_kind == "container":
         denominator = request.dev if request.dev is not None else -(-gpu.memory_total // GIB)
@@ -324,16 +405,19 @@ def weight_on(request: Request, gpu: GpuInfo, max_inst: int | Mapping[int, int])
 
 
 def place(request: Request | None, gpus: Sequence[GpuInfo],
-          max_inst: int | Mapping[int, int] = DEFAULT_MAX_INST) -> Plan:
-    """The plan for a parsed request on the host `gpus`, or PlanError."""
+          max_inst: int | Mapping[int, int] = DEFAULT_MAX_INST,
+          device_nodes: Sequence[int] = (), default_memsize: int = 0) -> Plan:
+    """The plan for a parsed request on the host `gpus`, or PlanError
+    (`device_nodes`: see `visible_gpus`; `default_memsize`: `memsize_on`)."""
     if request is None:
         return DISABLED
-    chosen = visible_gpus(request, gpus)
+    chosen = visible_gpus(request, gpus, device_nodes)
     if not chosen:
         return DISABLED
     planned = [
         GpuPlan(index=gpu.index, uuid=gpu.uuid, name=gpu.name,
-                memsize=memsize_on(request, gpu, k), weight=weight_on(request, gpu, max_inst),
+                memsize=memsize_on(request, gpu, k, default_memsize),
+                weight=weight_on(request, gpu, max_inst),
                 highprio=request.highprio, util_limit=request.util_limit)
         for k, gpu in enumerate(chosen)
     ]

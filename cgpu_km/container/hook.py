@@ -31,6 +31,7 @@ from cgpu_km.container import claims
 from cgpu_km.container.envplan import (
     DEFAULT_MAX_INST,
     DISABLED,
+    ENFORCE,
     Plan,
     PlanError,
     parse_request,
@@ -38,7 +39,7 @@ from cgpu_km.container.envplan import (
     switch_mode,
 )
 from cgpu_km.container.inject import create_region, inject_data_plane, remove_data_plane
-from cgpu_km.container.oci.spec import env_map
+from cgpu_km.container.oci.spec import env_map, gpu_device_nodes
 from cgpu_km.container.steps import (
     EXIT_BAD_VALUE,
     EXIT_FAILED,
@@ -183,15 +184,24 @@ def read_state(stream: TextIO) -> OciState:
                     pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
 
 
-def container_env(bundle: Path) -> dict[str, str]:
-    """The container process's environment from `<bundle>/config.json`."""
+def container_config(bundle: Path) -> dict[str, object]:
+    """`<bundle>/config.json`."""
     try:
-        config = read_json_object(bundle / "config.json")
+        return read_json_object(bundle / "config.json")
     except FileError as error:
         raise HookError(str(error)) from None
+
+
+def config_env(config: Mapping[str, object]) -> dict[str, str]:
+    """The container process's environment in its config."""
     process = config.get("process")
     pairs = process.get("env") if isinstance(process, dict) else None
     return env_map(pairs if isinstance(pairs, list) else [])
+
+
+def container_env(bundle: Path) -> dict[str, str]:
+    """The container process's environment from `<bundle>/config.json`."""
+    return config_env(container_config(bundle))
 
 
 def require_tree(root: Path) -> None:
@@ -216,15 +226,30 @@ def tree_max_inst(root: Path) -> dict[int, int]:
     return limits
 
 
-def make_plan(env: Mapping[str, str], root: Path | None) -> Plan:
-    """The plan for `env`; NVML is consulted only when a switch is on."""
+def enforcing() -> bool:
+    """Whether this node enforces cGPU: the hook's own environment says so
+    (`cgpu-node install --enforce`), which no container can change."""
+    return os.environ.get(ENFORCE, "").strip() == "1"
+
+
+def tree_default_memsize(root: Path | None) -> int:
     try:
-        request = parse_request(env)  # bad values are reported before NVML is asked
+        return 0 if root is None else treefs.read_int(root / "default_memsize")
+    except (OSError, ValueError):
+        return 0
+
+
+def make_plan(env: Mapping[str, str], root: Path | None,
+              device_nodes: Sequence[int] = ()) -> Plan:
+    """The plan for `env` (and the GPU device nodes the container is given);
+    NVML is consulted only when a switch is on."""
+    try:  # bad values are reported before NVML is asked
+        request = parse_request(env, enforcing(), bool(device_nodes))
         if request is None:
             return DISABLED
         gpus = discover_gpus()
         limits: dict[int, int] | int = DEFAULT_MAX_INST if root is None else tree_max_inst(root)
-        return place(request, gpus, limits)
+        return place(request, gpus, limits, device_nodes, tree_default_memsize(root))
     except PlanError as error:
         raise HookError(str(error), EXIT_BAD_VALUE) from None
     except GpuError as error:
@@ -249,9 +274,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_prestart(args: argparse.Namespace) -> int:
     state = read_state(sys.stdin)
-    env = container_env(state.bundle)
+    config = container_config(state.bundle)
+    env = config_env(config)
+    device_nodes = gpu_device_nodes(config)
     try:
-        enabled = switch_mode(env) is not None
+        enabled = switch_mode(env, enforcing(), bool(device_nodes)) is not None
     except PlanError as error:
         raise HookError(str(error), EXIT_BAD_VALUE) from None
     if not enabled:
@@ -259,7 +286,8 @@ def cmd_prestart(args: argparse.Namespace) -> int:
     root = treefs.resolve_root(args.root)
     require_tree(root)
     ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,
-                      env=env, plan=make_plan(env, root), pid=state.pid)
+                      env=env, plan=make_plan(env, root, device_nodes),
+                      pid=state.pid)
     if ctx.plan.enabled:
         run_prestart_steps(ctx, PRESTART_STEPS, sys.stderr)
     return 0
@@ -268,8 +296,9 @@ def cmd_prestart(args: argparse.Namespace) -> int:
 def cmd_poststop(args: argparse.Namespace) -> int:
     state = read_state(sys.stdin)
     try:
-        env = container_env(state.bundle)
-        if switch_mode(env) is None:
+        config = container_config(state.bundle)
+        env = config_env(config)
+        if switch_mode(env, enforcing(), bool(gpu_device_nodes(config))) is None:
             return 0
     except (HookError, PlanError):
         env = {}  # cannot tell: clean up anyway, which is harmless

@@ -1,8 +1,8 @@
 """`cgpu-node`: install cgpu_km on this node, or take it away again.
 
     cgpu-node install [--docker-default] [--nvidia-name] [--engines docker,containerd,podman]
-                      [--tree-root DIR] [--simulate auto|on|off] [--no-services] [--no-build]
-                      [--wheel CGPU_KM.whl]
+                      [--enforce] [--tree-root DIR] [--simulate auto|on|off] [--no-services]
+                      [--no-build] [--wheel CGPU_KM.whl]
     cgpu-node uninstall
     cgpu-node status
 
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="simgpu in containers: auto (no /dev/nvidiactl), on, off")
     add.add_argument("--simgpu-state", default=DEFAULT_STATE)
     add.add_argument("--simgpu-devices", default="", help="SIMGPU_DEVICES for the hook")
+    add.add_argument("--enforce", action="store_true",
+                     help="manage every container given a GPU (default_memsize, weight 1 "
+                          "without cGPU variables) and refuse CGPU_DISABLE and 0 elements")
     add.add_argument("--hook-env", action="append", default=[], metavar="KEY=VALUE",
                      help="more environment for the hook (repeatable)")
     add.add_argument("--docker-pidfile", type=Path, default=Path("/var/run/docker.pid"))
@@ -104,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 docker_default=args.docker_default, nvidia_name=args.nvidia_name,
                 tree_root=args.tree_root, simulate=args.simulate,
                 simgpu_state=args.simgpu_state, simgpu_devices=args.simgpu_devices,
-                hook_env=tuple(args.hook_env), services=not args.no_services,
+                hook_env=tuple(args.hook_env), enforce=args.enforce, services=not args.no_services,
                 build=not args.no_build, python=args.python or default_python(),
                 docker_pidfile=args.docker_pidfile, wheel=args.wheel)
             install(layout, options, say)
@@ -115,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if record is None:
                 print(f"{PROG}: not installed (no record in {args.state_dir})")
                 return 1
-            print(json.dumps({"settings": record.settings, "files": sorted(record.written),
+            print(json.dumps({"enforce": bool(record.settings.get("enforce", False)),
+                              "settings": record.settings, "files": sorted(record.written),
                               "notes": record.notes}, indent=1))
         return 0
     except InstallError as error:

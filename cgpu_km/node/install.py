@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cgpu_km import paths
+from cgpu_km.container.envplan import ENFORCE
 from cgpu_km.container.oci.settings import (
     DEFAULT_PATH,
     DEFAULT_RUNTIMES,
@@ -104,6 +105,7 @@ class Options:
     simgpu_state: str = DEFAULT_STATE
     simgpu_devices: str = ""
     hook_env: tuple[str, ...] = ()  # more KEY=VALUE for the hook
+    enforce: bool = False  # every container given a GPU is managed (CGPU_ENFORCE=1)
     services: bool = True
     build: bool = True
     python: str = sys.executable
@@ -134,7 +136,8 @@ class Parts:
 
 
 def hook_call(parts: Parts, options: Options, hook: Path) -> HookCall:
-    env = (f"PATH={DEFAULT_PATH}", f"CGPU_LIBCGPU={parts.libcgpu}", *options.hook_env)
+    env = (f"PATH={DEFAULT_PATH}", f"CGPU_LIBCGPU={parts.libcgpu}",
+           *((f"{ENFORCE}=1",) if options.enforce else ()), *options.hook_env)
     return HookCall(path=str(hook), root=options.tree_root, env=env)
 
 
@@ -306,7 +309,7 @@ def install(layout: Layout, options: Options, say: Say) -> None:
     record = previous or Record(layout.state_dir)
     record.settings = {"layout": {k: str(v) for k, v in asdict(layout).items()},
                        "engines": list(options.engines), "docker_pidfile":
-                       str(options.docker_pidfile)}
+                       str(options.docker_pidfile), "enforce": options.enforce}
     record.save()
     try:
         programs = step_prefix(layout, options, record, say)

@@ -443,15 +443,35 @@ class Node:
 
     def container(self, env: Mapping[str, str], *, user: int = NOBODY,
                   files: Mapping[str, str] | None = None,
+                  image: Callable[[Path], None] | None = None,
+                  mounts: Sequence[Mapping[str, object]] = (),
                   seccomp: Mapping[str, object] | None = None) -> Container:
         """Start a container (`runc run --detach`, init `sleep`) with the hook and `env`;
-        `files` are written into its rootfs first (path -> text, executable); `seccomp`
-        is its config.json's `linux.seccomp`."""
+        `files` are written into its rootfs first (path -> text, executable), then
+        `image(rootfs)` edits it further (links, folders: what an image may hold);
+        `mounts` are added to its config's; `seccomp` is its config's `linux.seccomp`."""
+        container, code, errors = self.try_container(env, user=user, files=files, image=image,
+                                                     mounts=mounts, seccomp=seccomp)
+        assert code == 0, f"runc run failed: {errors}"
+        return container
+
+    def try_container(self, env: Mapping[str, str], *, user: int = NOBODY,
+                      files: Mapping[str, str] | None = None,
+                      image: Callable[[Path], None] | None = None,
+                      mounts: Sequence[Mapping[str, object]] = (),
+                      seccomp: Mapping[str, object] | None = None,
+                      rootfs_of: Container | None = None
+                      ) -> tuple[Container, int, str]:
+        """As `container`, but the start may fail: (container, runc's status, its stderr).
+        With `rootfs_of`, it runs on that container's root filesystem, not a copy."""
         container_id = uuid.uuid4().hex
         bundle = self.base / container_id
         rootfs, out = bundle / "rootfs", bundle / "out"
         bundle.mkdir()
-        subprocess.run(["cp", "-a", str(self.base_rootfs), str(rootfs)], check=True)
+        if rootfs_of is None:
+            subprocess.run(["cp", "-a", str(self.base_rootfs), str(rootfs)], check=True)
+        else:
+            rootfs = rootfs_of.rootfs
         out.mkdir(parents=True)
         out.chmod(0o777)
         for path, text in (files or {}).items():
@@ -459,7 +479,13 @@ class Node:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
             target.chmod(0o755)
+        if image is not None:
+            image(rootfs)
         config = self._config(bundle, env, user)
+        config["root"] = {"path": str(rootfs), "readonly": False}
+        config_mounts = config["mounts"]
+        assert isinstance(config_mounts, list)
+        config_mounts += [dict(mount) for mount in mounts]
         if seccomp is not None:
             linux = config["linux"]
             assert isinstance(linux, dict)
@@ -474,8 +500,7 @@ class Node:
             code = subprocess.run([RUNC, "run", "--detach", "--bundle", str(bundle),
                                    container_id], stdin=subprocess.DEVNULL, stdout=log,
                                   stderr=stderr, timeout=120).returncode
-        assert code == 0, f"runc run failed: {errors.read_text()}"
-        return container
+        return container, code, errors.read_text()
 
     def _config(self, bundle: Path, env: Mapping[str, str], user: int) -> dict[str, object]:
         assert RUNC is not None

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from cgpu_km.container.oci.settings import CONFIG_ENV
+from cgpu_km.demo.dockerd import PrivateDocker
 from cgpu_km.demo.image import build_rootfs, rootfs_tar
-from tests.containers.helpers import SimHost, built
+from tests.containers.helpers import IMAGE, WRAPPER, SimHost, built
 
 
 @dataclass(frozen=True)
@@ -41,3 +45,25 @@ def sim(control_tree: Path, tmp_path: Path, runtime_config: Path) -> SimHost:
     host = SimHost(tree=control_tree, folder=tmp_path)
     host.write_config(runtime_config)
     return host
+
+
+@pytest.fixture(scope="module")
+def dockerd(image: Image, runtime_config: Path) -> Iterator[PrivateDocker]:
+    engine = PrivateDocker(Path(tempfile.mkdtemp(prefix="cgpu-docker-")),
+                           {"runtimes": {"cgpu": {"path": str(WRAPPER)}}},
+                           env={CONFIG_ENV: str(runtime_config)})
+    engine.start()
+    try:
+        engine.check("import", str(image.tar), IMAGE)
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture
+def docker(dockerd: PrivateDocker, sim: SimHost) -> Iterator[PrivateDocker]:
+    """The engine, its containers removed after the test (before the tree goes)."""
+    try:
+        yield dockerd
+    finally:
+        dockerd.remove_containers()

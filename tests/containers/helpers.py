@@ -10,6 +10,7 @@ from pathlib import Path
 from cgpu_km import paths
 from cgpu_km.container.oci.settings import DEFAULT_PATH, Settings, render_settings
 from cgpu_km.container.oci.spec import HookCall, SimGpu
+from cgpu_km.demo.dockerd import PrivateDocker
 from cgpu_km.tree import client as treefs
 
 VENV_BIN = Path(sys.executable).parent
@@ -22,6 +23,8 @@ DEVICES = ",".join(f"Tesla T4:15109MiB:{uuid}" for uuid in UUIDS)
 T4 = 15109 * MIB
 LIMIT_6_OF_15 = T4 * 6 // 15  # shown as 6043 MiB
 CUDA_OOM = "CUDA_ERROR_OUT_OF_MEMORY"
+CGPU_6_OF_15 = ["-e", "ALIYUN_COM_GPU_MEM_CONTAINER=6", "-e", "ALIYUN_COM_GPU_MEM_DEV=15"]
+HOLD = ["sh", "-c", "cuworkload --alloc 1GiB --hold 600"]
 
 
 def missing(*programs: str) -> str | None:
@@ -80,3 +83,11 @@ class SimHost:
 
 
 NOTHING: dict[int, dict[str, int]] = {0: {}, 1: {}}  # as registered() says: no containers
+
+
+def run_detached(docker: PrivateDocker, name: str, *args: str,
+                 command: list[str] = HOLD) -> str:
+    """`docker run -d -t --runtime=cgpu` as in the cGPU document; its id as `docker ps` shows."""
+    docker.check("run", "-d", "-t", "--runtime=cgpu", "--network=none", "--name", name, *args,
+                 IMAGE, *command)
+    return docker.check("ps", "--filter", f"name=^{name}$", "--format", "{{.ID}}").strip()

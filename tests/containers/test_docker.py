@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from cgpu_km import paths
-from cgpu_km.container.oci.settings import CONFIG_ENV, DEFAULT_PATH
+from cgpu_km.container.oci.settings import DEFAULT_PATH
 from cgpu_km.demo.dockerd import PrivateDocker
-from tests.containers.conftest import Image
 from tests.containers.helpers import (
+    CGPU_6_OF_15,
     CUDA_OOM,
     DEVICES,
     IMAGE,
@@ -27,9 +26,9 @@ from tests.containers.helpers import (
     NOTHING,
     UUIDS,
     VENV_BIN,
-    WRAPPER,
     SimHost,
     missing,
+    run_detached,
 )
 
 pytestmark = [
@@ -37,39 +36,6 @@ pytestmark = [
                        reason=f"{missing('dockerd', 'containerd', 'runc')} is not installed "
                               "(apt-get install docker.io)"),
 ]
-
-CGPU_6_OF_15 = ["-e", "ALIYUN_COM_GPU_MEM_CONTAINER=6", "-e", "ALIYUN_COM_GPU_MEM_DEV=15"]
-HOLD = ["sh", "-c", "cuworkload --alloc 1GiB --hold 600"]
-
-
-@pytest.fixture(scope="module")
-def dockerd(image: Image, runtime_config: Path) -> Iterator[PrivateDocker]:
-    engine = PrivateDocker(Path(tempfile.mkdtemp(prefix="cgpu-docker-")),
-                           {"runtimes": {"cgpu": {"path": str(WRAPPER)}}},
-                           env={CONFIG_ENV: str(runtime_config)})
-    engine.start()
-    try:
-        engine.check("import", str(image.tar), IMAGE)
-        yield engine
-    finally:
-        engine.stop()
-
-
-@pytest.fixture
-def docker(dockerd: PrivateDocker, sim: SimHost) -> Iterator[PrivateDocker]:
-    """The engine, its containers removed after the test (before the tree goes)."""
-    try:
-        yield dockerd
-    finally:
-        dockerd.remove_containers()
-
-
-def run_detached(docker: PrivateDocker, name: str, *args: str,
-                 command: list[str] = HOLD) -> str:
-    """`docker run -d -t --runtime=cgpu` as in the cGPU document; its id as `docker ps` shows."""
-    docker.check("run", "-d", "-t", "--runtime=cgpu", "--network=none", "--name", name, *args,
-                 IMAGE, *command)
-    return docker.check("ps", "--filter", f"name=^{name}$", "--format", "{{.ID}}").strip()
 
 
 def wait_for_log(docker: PrivateDocker, name: str, text: str, timeout: float = 30) -> str:

@@ -132,12 +132,59 @@ def test_visible_devices_order_indexes_uuids_mixed() -> None:
     assert [g.memsize for g in result.gpus] == [15109 * MIB * c // 15 for c in (1, 2, 3)]
 
 
-def test_aliyun_visible_devices_win_over_nvidia() -> None:
-    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_VISIBLE_DEVICES": "3",
-           "NVIDIA_VISIBLE_DEVICES": "0,1"}
-    assert [g.index for g in plan(env).gpus] == [3]
+def test_aliyun_visible_devices_name_the_gpus_and_nvidia_must_agree() -> None:
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1,2", "ALIYUN_COM_GPU_VISIBLE_DEVICES": "3,1"}
+    assert [g.index for g in plan(env).gpus] == [3, 1]
+    env["NVIDIA_VISIBLE_DEVICES"] = f"1,{FOUR[3].uuid}"  # the same GPUs, named otherwise
+    assert [(g.index, g.memsize) for g in plan(env).gpus] == [
+        (3, FOUR[3].memory_total * 1 // 15), (1, FOUR[1].memory_total * 2 // 15)]
     env["ALIYUN_COM_GPU_VISIBLE_DEVICES"] = ""
-    assert [g.index for g in plan(env).gpus] == [0, 1]
+    assert [g.index for g in plan(env).gpus] == [1, 3]
+
+
+@pytest.mark.parametrize(("aliyun", "nvidia", "shown"), [
+    ("0", "1", "limits GPU(s) 0 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 1"),
+    ("3", "0,1", "limits GPU(s) 3 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 0,1"),
+    ("0", "all", "limits GPU(s) 0 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) "
+     "0,1,2,3"),
+    ("0,1", "0", "limits GPU(s) 0,1 but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 0"),
+    ("none", "2", "limits GPU(s) none but NVIDIA_VISIBLE_DEVICES gives the container GPU(s) 2"),
+])
+def test_a_gpu_nvidia_gives_without_a_limit_is_refused(aliyun: str, nvidia: str,
+                                                       shown: str) -> None:
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_VISIBLE_DEVICES": aliyun,
+           "NVIDIA_VISIBLE_DEVICES": nvidia}
+    assert error(env) == f"ALIYUN_COM_GPU_VISIBLE_DEVICES: {shown}: name the same GPUs in both"
+
+
+def test_a_gpu_device_node_without_a_limit_is_refused() -> None:
+    request = parse_request({"ALIYUN_COM_GPU_MEM_CONTAINER": "1",
+                             "NVIDIA_VISIBLE_DEVICES": "0,2"})
+    assert [g.index for g in place(request, FOUR, device_nodes=[2, 0]).gpus] == [0, 2]
+    with pytest.raises(PlanError) as caught:
+        place(request, FOUR, device_nodes=[0, 3])
+    assert str(caught.value) == ("NVIDIA_VISIBLE_DEVICES: limits GPU(s) 0,2 but the container "
+                                 "is also given /dev/nvidia3, a GPU without a limit")
+
+
+@pytest.mark.parametrize("variable", [
+    "ALIYUN_COM_GPU_MEM_CONTAINER", "ALIYUN_COM_GPU_MEM_DEV", "GPU_MEM_PER_DEVICE",
+    "ALIYUN_COM_GPU_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ALIYUN_COM_GPU_SCHD_WEIGHT",
+    "GPU_UTIL_PER_DEVICE",
+])
+@pytest.mark.parametrize("digits", [21, 4301, 100_000])
+def test_numbers_of_any_length_get_the_one_line_refusal(variable: str, digits: int) -> None:
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", variable: "9" * digits}
+    message = error(env)
+    assert message.startswith(f"{variable}: '999"), message
+    assert message.endswith("is too large (more than 20 digits)"), message
+    assert len(message) < 160
+
+
+def test_zeros_of_any_length_are_zero() -> None:
+    assert switch_mode({"ALIYUN_COM_GPU_MEM_CONTAINER": "0" * 5000}) is None
+    env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "0" * 5000 + "6", "ALIYUN_COM_GPU_MEM_DEV": "15"}
+    assert plan(env, [T4]).gpus[0].memsize == 15109 * MIB * 6 // 15
 
 
 @pytest.mark.parametrize(("value", "reason"), [
@@ -338,6 +385,9 @@ VARIABLES = [
 ]
 NUMBERISH = st.one_of(
     st.integers(-(2**70), 2**70).map(str),
+    st.integers(1, 6000).map(lambda n: "1" + "0" * n),
+    st.tuples(st.sampled_from(["", "-", "0"]), st.text("0123456789", min_size=15,
+                                                       max_size=5000)).map("".join),
     st.lists(st.integers(-3, 40).map(str), min_size=0, max_size=5).map(",".join),
     st.sampled_from(["", "all", "none", "void", "true", "TRUE", "1", "0", "GPU-x", " 1 ",
                      FOUR[1].uuid, "0,1,2,3", "3,2", "\u0663", "1e3", "0x10"]),
@@ -352,12 +402,14 @@ GPU_SETS = st.lists(
 
 
 @settings(max_examples=600, deadline=None)
-@given(env=ENVIRONMENTS, gpus=GPU_SETS, max_inst=st.integers(1, 25))
+@given(env=ENVIRONMENTS, gpus=GPU_SETS, max_inst=st.integers(1, 25), enforce=st.booleans(),
+       nodes=st.lists(st.integers(0, 8), max_size=3), default=st.integers(0, 2**41))
 def test_any_environment_gives_a_plan_or_a_plan_error(
-    env: dict[str, str], gpus: list[GpuInfo], max_inst: int
+    env: dict[str, str], gpus: list[GpuInfo], max_inst: int, enforce: bool, nodes: list[int],
+    default: int
 ) -> None:
     try:
-        result = resolve_plan(env, gpus, max_inst)
+        result = place(parse_request(env, enforce, bool(nodes)), gpus, max_inst, nodes, default)
     except PlanError as caught:
         message = str(caught)
         assert message
@@ -372,3 +424,57 @@ def test_any_environment_gives_a_plan_or_a_plan_error(
         assert gpu.highprio in (0, 1)
         assert 0 <= gpu.util_limit <= 95
     json.loads(result.to_json())
+
+
+# --- a node that enforces cGPU ------------------------------------------------
+
+def enforced(env: dict[str, str], gpu_nodes: bool = False, default_memsize: int = 0) -> Plan:
+    return place(parse_request(env, enforce=True, gpu_nodes=gpu_nodes), FOUR,
+                 default_memsize=default_memsize)
+
+
+def test_the_default_leaves_a_container_without_cgpu_variables_alone() -> None:
+    for env in ({"NVIDIA_VISIBLE_DEVICES": "0"}, {"NVIDIA_VISIBLE_DEVICES": "0",
+                "ALIYUN_COM_GPU_MEM_CONTAINER": "0"},
+                {"NVIDIA_VISIBLE_DEVICES": "0", "ALIYUN_COM_GPU_MEM_CONTAINER": "3",
+                 "CGPU_DISABLE": "true"}):
+        assert switch_mode(env) is None
+        assert plan(env) == DISABLED
+
+
+def test_enforcing_manages_every_container_given_a_gpu_with_the_default_memsize() -> None:
+    whole = enforced({"NVIDIA_VISIBLE_DEVICES": "1"})
+    assert [(g.index, g.memsize, g.weight) for g in whole.gpus] == [
+        (1, FOUR[1].memory_total, 1)]
+    assert whole.mode == "cgpu"
+    sized = enforced({"NVIDIA_VISIBLE_DEVICES": "all"}, default_memsize=2 * GIB)
+    assert [(g.index, g.memsize) for g in sized.gpus] == [(i, 2 * GIB) for i in range(4)]
+    assert [g.memsize for g in enforced({"NVIDIA_VISIBLE_DEVICES": "0"},
+                                        default_memsize=1 << 50).gpus] == [FOUR[0].memory_total]
+    # its own cGPU variables still count; device nodes alone give it a GPU too
+    assert [g.memsize for g in enforced({"NVIDIA_VISIBLE_DEVICES": "0",
+                                         "ALIYUN_COM_GPU_MEM_CONTAINER": "6",
+                                         "ALIYUN_COM_GPU_MEM_DEV": "15"}).gpus] == [
+        FOUR[0].memory_total * 6 // 15]
+    assert [g.index for g in enforced({}, gpu_nodes=True).gpus] == [0, 1, 2, 3]
+
+
+def test_enforcing_leaves_a_container_without_a_gpu_alone() -> None:
+    for env in ({}, {"NVIDIA_VISIBLE_DEVICES": "none"}, {"NVIDIA_VISIBLE_DEVICES": "void"},
+                {"NVIDIA_VISIBLE_DEVICES": ""}):
+        assert switch_mode(env, enforce=True) is None
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"CGPU_DISABLE": "true"}, "CGPU_DISABLE: this node enforces cGPU"),
+    ({"CGPU_DISABLE": "1"}, "CGPU_DISABLE: this node enforces cGPU"),
+    ({"ALIYUN_COM_GPU_MEM_CONTAINER": "0"},
+     "ALIYUN_COM_GPU_MEM_CONTAINER: '0' has a 0 element: this node enforces cGPU"),
+    ({"ALIYUN_COM_GPU_MEM_CONTAINER": "3,00"},
+     "ALIYUN_COM_GPU_MEM_CONTAINER: '3,00' has a 0 element: this node enforces cGPU"),
+])
+def test_enforcing_refuses_an_opt_out_with_one_line(env: dict[str, str], message: str) -> None:
+    with pytest.raises(PlanError) as caught:
+        switch_mode({"NVIDIA_VISIBLE_DEVICES": "0", **env}, enforce=True)
+    assert str(caught.value) == (f"{message} (CGPU_ENFORCE): a container given a GPU cannot "
+                                 "opt out")

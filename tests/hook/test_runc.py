@@ -243,6 +243,12 @@ def test_disabled_container_runs_and_registers_nothing(
      "cgpu-hook: NVIDIA_VISIBLE_DEVICES: no GPU with index '7' on this host (4 GPU(s))"),
     ({"ALIYUN_COM_GPU_MEM_CONTAINER": "three"},
      "cgpu-hook: ALIYUN_COM_GPU_MEM_CONTAINER: 'three' is not a whole number"),
+    ({"ALIYUN_COM_GPU_MEM_CONTAINER": "3", "ALIYUN_COM_GPU_VISIBLE_DEVICES": "0",
+      "NVIDIA_VISIBLE_DEVICES": "1"},
+     "cgpu-hook: ALIYUN_COM_GPU_VISIBLE_DEVICES: limits GPU(s) 0 but NVIDIA_VISIBLE_DEVICES "
+     "gives the container GPU(s) 1: name the same GPUs in both"),
+    ({"ALIYUN_COM_GPU_MEM_CONTAINER": "3", "NVIDIA_VISIBLE_DEVICES": "1" * 5000},
+     f"cgpu-hook: NVIDIA_VISIBLE_DEVICES: '{'1' * 56}...' is too large (more than 20 digits)"),
 ])
 def test_bad_value_fails_the_start_and_registers_nothing(
     runc: Runc, control_tree: Path, env: dict[str, str], message: str

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.container.oci.settings import load_settings
 from cgpu_km.node import cli
 
 DAEMON_JSON = b'{"log-level":"warn",\n "runtimes": {"nvidia": {"path": "/usr/bin/nvidia-container-runtime"}}}'  # noqa: E501
@@ -120,3 +121,25 @@ def test_a_bad_engine_file_is_one_line_and_changes_nothing(
 def test_uninstall_without_an_install(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["uninstall", "--state-dir", str(tmp_path)]) == 1
     assert capsys.readouterr().err == f"cgpu-node: nothing to uninstall: no record in {tmp_path}\n"
+
+
+def test_enforce_reaches_the_wrapper_and_podman_s_hook_and_status_shows_it(
+    node: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def status() -> bool:
+        capsys.readouterr()
+        assert cli.main(["status", "--state-dir", str(node / "state")]) == 0
+        shown: bool = json.loads(capsys.readouterr().out)["enforce"]
+        return shown
+
+    assert install(node) == 0
+    assert not load_settings(node / "etc" / "cgpu_km" / "runtime.toml").enforce
+    assert status() is False
+    assert install(node, "--enforce") == 0
+    assert load_settings(node / "etc" / "cgpu_km" / "runtime.toml").enforce
+    hooks = node / "etc" / "containers" / "oci" / "hooks.d"
+    for stage in ("prestart", "poststop"):
+        document = json.loads((hooks / f"cgpu-{stage}.json").read_text())
+        assert "CGPU_ENFORCE=1" in document["hook"]["env"]
+    assert status() is True
+    assert uninstall(node) == 0

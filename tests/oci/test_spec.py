@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from cgpu_km.container.oci.spec import (
     HookCall,
     SimGpu,
+    gpu_device_nodes,
     visible_devices,
+    with_agreeing_visible,
     with_hooks,
     with_simgpu,
     with_simgpu_env,
@@ -113,3 +115,29 @@ def test_hooks_edit_keeps_the_rest_and_is_idempotent(
         assert edited["hooks"][stage] == [*others, HOOK.entry(stage)]
     assert [e["path"] for e in edited["hooks"]["prestart"]].count(HOOK.path) == 1
     json.dumps(edited)
+
+
+def test_nvidia_s_list_is_made_to_name_the_limited_gpus_when_it_names_all() -> None:
+    def nvidia(*env: str) -> list[str]:
+        edited = with_agreeing_visible({"env": ["PATH=/bin", *env]})
+        return [p for p in edited["env"] if p.startswith("NVIDIA_VISIBLE_DEVICES=")]
+    assert nvidia("ALIYUN_COM_GPU_VISIBLE_DEVICES=1") == ["NVIDIA_VISIBLE_DEVICES=1"]
+    assert nvidia("ALIYUN_COM_GPU_VISIBLE_DEVICES=1,0", "NVIDIA_VISIBLE_DEVICES=all") == [
+        "NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_VISIBLE_DEVICES=1,0"]  # the last one counts
+    # another list is the hook's to compare; no ALIYUN list: nothing to agree with
+    assert nvidia("ALIYUN_COM_GPU_VISIBLE_DEVICES=1", "NVIDIA_VISIBLE_DEVICES=0") == [
+        "NVIDIA_VISIBLE_DEVICES=0"]
+    assert nvidia("NVIDIA_VISIBLE_DEVICES=all") == ["NVIDIA_VISIBLE_DEVICES=all"]
+
+
+def test_gpu_device_nodes_are_read_by_major_and_minor_whatever_their_path() -> None:
+    devices = [{"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1},
+               {"path": "/dev/renamed", "type": "c", "major": 195, "minor": 3},
+               {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+               {"path": "/dev/nvidia-modeset", "type": "c", "major": 195, "minor": 254},
+               {"path": "/dev/sda", "type": "b", "major": 195, "minor": 2},
+               {"path": "/dev/null", "type": "c", "major": 1, "minor": 3},
+               {"path": "/dev/odd", "type": "c", "major": 195, "minor": True}, "junk"]
+    assert gpu_device_nodes({"linux": {"devices": devices}}) == [1, 3]
+    assert gpu_device_nodes({}) == []
+    assert gpu_device_nodes({"linux": {"devices": "x"}}) == []

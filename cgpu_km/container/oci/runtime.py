@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cgpu_km.container.envplan import PlanError, switch_mode
 from cgpu_km.container.oci.argv import CREATING, Invocation, parse_argv
 from cgpu_km.container.oci.settings import (
     DEFAULT_RUNTIMES,
@@ -42,6 +43,9 @@ from cgpu_km.container.oci.settings import (
 from cgpu_km.container.oci.spec import (
     DRIVER_DEVICE,
     SIMGPU_LIBRARIES,
+    env_map,
+    gpu_device_nodes,
+    with_agreeing_visible,
     with_hooks,
     with_simgpu,
     with_simgpu_env,
@@ -121,10 +125,25 @@ def check_simgpu(settings: Settings, config_file: Path) -> None:
         raise WrapperError(f"cannot create the simgpu state {state}: {detail}")
 
 
+def managed(config: dict[str, Any], enforce: bool) -> bool:
+    """Whether cgpu-hook will manage the container of `config` (a bad value is
+    the hook's to refuse)."""
+    process = config.get("process")
+    env = process.get("env") if isinstance(process, dict) else None
+    try:
+        return switch_mode(env_map(env if isinstance(env, list) else []), enforce,
+                           bool(gpu_device_nodes(config))) is not None
+    except PlanError:
+        return False
+
+
 def prepare_bundle(bundle: Path, settings: Settings, config_file: Path) -> None:
-    """Add the hook (and simgpu) to `<bundle>/config.json`."""
+    """Add the hook (and simgpu) to `<bundle>/config.json`; for a managed
+    container, make NVIDIA's list of GPUs agree with the limited ones."""
     path = bundle / "config.json"
     config = read_json(path)
+    if isinstance(config.get("process"), dict) and managed(config, settings.enforce):
+        config = {**config, "process": with_agreeing_visible(config["process"])}
     simulate = simulating(settings)
     if simulate:
         check_simgpu(settings, config_file)

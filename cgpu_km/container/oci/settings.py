@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from cgpu_km import paths
-from cgpu_km.container.oci.spec import HookCall, SimGpu
+from cgpu_km.container.envplan import ENFORCE
+from cgpu_km.container.oci.spec import HookCall, SimGpu, env_map
 
 CONFIG_ENV = "CGPU_RUNTIME_CONFIG"
 DEFAULT_CONFIG = Path("/etc/cgpu_km/runtime.toml")
@@ -58,6 +59,11 @@ class Settings:
     simulate: str  # auto, on, off
     simgpu: SimGpu
     simgpu_devices: str  # "" when not given
+
+    @property
+    def enforce(self) -> bool:
+        """Whether the hook enforces cGPU on this node (CGPU_ENFORCE=1 in its env)."""
+        return env_map(self.hook.env).get(ENFORCE, "").strip() == "1"
 
     def hook_for(self, simulating: bool) -> HookCall:
         """The hook call, with what the hook needs on simgpu added to its env."""

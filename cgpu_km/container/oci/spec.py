@@ -38,6 +38,9 @@ VISIBLE_ENV = "SIMGPU_VISIBLE_DEVICES"
 VISIBLE_SOURCES = ("ALIYUN_COM_GPU_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 NO_GPU_WORDS = ("none", "void")
 
+NVIDIA_MAJOR = 195  # the character devices of NVIDIA's driver: GPU N is minor N
+NVIDIA_GPU_MINORS = range(254)  # 254: nvidia-modeset, 255: nvidiactl
+
 Config = dict[str, Any]
 
 
@@ -146,4 +149,36 @@ def with_simgpu(config: Config, sim: SimGpu) -> Config:
     process = result.get("process")
     if isinstance(process, dict):
         result["process"] = with_simgpu_env(process)
+    return result
+
+
+def gpu_device_nodes(config: Config) -> list[int]:
+    """The GPUs (minor numbers) whose device nodes the config gives the
+    container (`--device`, CDI), whatever path they have inside."""
+    linux = config.get("linux")
+    devices = linux.get("devices") if isinstance(linux, dict) else None
+    found: list[int] = []
+    for device in devices if isinstance(devices, list) else []:
+        if not isinstance(device, dict) or device.get("type") != "c":
+            continue
+        major, minor = device.get("major"), device.get("minor")
+        if (major == NVIDIA_MAJOR and isinstance(minor, int) and not isinstance(minor, bool)
+                and minor in NVIDIA_GPU_MINORS):
+            found.append(minor)
+    return found
+
+
+def with_agreeing_visible(process: Config) -> Config:
+    """An OCI `process` whose NVIDIA_VISIBLE_DEVICES names the GPUs that its
+    ALIYUN_COM_GPU_VISIBLE_DEVICES limits, when NVIDIA's is unset or `all`, so
+    that NVIDIA's runtime exposes just the limited GPUs. Any other NVIDIA list
+    is left for cgpu-hook to compare (and refuse when it names other GPUs)."""
+    env = process.get("env")
+    pairs = [p for p in env if isinstance(p, str)] if isinstance(env, list) else []
+    values = env_map(pairs)
+    aliyun, nvidia = (values.get(name, "").strip() for name in VISIBLE_SOURCES)
+    if not aliyun or nvidia.lower() not in ("", "all"):
+        return copy.deepcopy(process)
+    result = copy.deepcopy(process)
+    result["env"] = [*pairs, f"{VISIBLE_SOURCES[1]}={aliyun}"]
     return result

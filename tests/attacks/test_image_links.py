@@ -1,0 +1,312 @@
+"""Images that hold links at the paths cgpu-hook places files at (issue 19, items 1, 2).
+
+Each image is a copy of the attack rootfs with one edit: a link at
+/etc/ld.so.preload, /etc, /run/cgpu, the library's folder or the library,
+absolute or relative, to a host path, chained through /dev, /dev/shm, /proc
+(which the runtime mounts, and which differ between host and container), to
+/dev/zero, onto a volume of the host, onto a path the hook mounts, a loop;
+and /etc/ld.so.preload as a folder, a pipe, a file over the cap. Started by
+real runc with cgpu-hook, the container either starts with libcgpu enforced
+(an allocation over the limit fails inside it, and its ld.so.preload names
+libcgpu and nothing of the host), or the start is refused with one line
+naming the path and why. Whatever the image holds, a sentinel folder of the
+host stays empty and a root-only host file stays as it was and never shows
+in the container.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.tree import client as treefs
+from tests.attacks.hostfiles import HostFiles, host_files
+from tests.attacks.node import HOOK, NOBODY, SETPRIV, Node, fields
+
+LIMIT = 256 << 20
+CGPU_256 = {"ALIYUN_COM_GPU_MEM_CONTAINER": "256", "ALIYUN_COM_GPU_MEM_DEV": "15109"}
+LIBRARY = region_mod.CONTAINER_LIBRARY_PATH
+UNENFORCEABLE = "libcgpu cannot be enforced"
+OFF_IMAGE = "a mount that is not the image's own filesystem"
+
+
+Host = HostFiles
+
+
+@pytest.fixture
+def host() -> Iterator[HostFiles]:
+    with host_files() as files:
+        yield files
+
+
+Edit = Callable[[Path], None]
+
+
+def link(path: str, target: str) -> Edit:
+    """An image whose `path` is a link to `target` (what was there is removed)."""
+    def edit(rootfs: Path) -> None:
+        at = rootfs / path.lstrip("/")
+        at.parent.mkdir(parents=True, exist_ok=True)
+        if at.is_dir() and not at.is_symlink():
+            shutil.rmtree(at)
+        elif at.exists() or at.is_symlink():
+            at.unlink()
+        at.symlink_to(target)
+    return edit
+
+
+def both(*edits: Edit) -> Edit:
+    def edit(rootfs: Path) -> None:
+        for one in edits:
+            one(rootfs)
+    return edit
+
+
+def preload_folder(rootfs: Path) -> None:
+    (rootfs / "etc" / "ld.so.preload").mkdir()
+
+
+def preload_pipe(rootfs: Path) -> None:
+    os.mkfifo(rootfs / "etc" / "ld.so.preload")
+
+
+def preload_zero_device(rootfs: Path) -> None:
+    """/etc/ld.so.preload as a copy of /dev/zero's node, in the image itself."""
+    os.mknod(rootfs / "etc" / "ld.so.preload", 0o644 | stat.S_IFCHR, os.makedev(1, 5))
+
+
+def preload_too_large(rootfs: Path) -> None:
+    (rootfs / "etc" / "ld.so.preload").write_text("#" * (64 << 10) + "\n")
+
+
+# (name, the image's edit with {secret} and {sentinel} to fill, None when the
+# container starts enforced, else the refusal's text after "cgpu-hook: ")
+STARTS = [
+    ("preload -> host file", lambda h: link("/etc/ld.so.preload", str(h.secret))),
+    ("preload -> relative climb to host file",
+     lambda h: link("/etc/ld.so.preload", "../../../../../../../.." + str(h.secret))),
+    ("/run/cgpu -> host folder", lambda h: link("/run/cgpu", str(h.sentinel))),
+    ("/run -> host folder, relative", lambda h: link("/run", "../../.." + str(h.sentinel))),
+    ("/etc -> host folder", lambda h: link("/etc", str(h.sentinel))),
+    ("library folder -> host folder", lambda h: link("/usr/local/lib/cgpu", str(h.sentinel))),
+    ("library -> host file", lambda h: link(LIBRARY, str(h.secret))),
+    ("preload -> missing folders -> host file",
+     lambda h: link("/etc/ld.so.preload", "/nowhere/../nowhere2/x/../" + h.secret.name)),
+    ("/run/cgpu -> a missing folder", lambda h: link("/run/cgpu", "/missing/deeper")),
+]
+def leads(asked: str, target: str, mount: str) -> str:
+    """The refusal of a path whose first link leads onto another mount."""
+    return f"{asked} in the image is a link to {target}, which leads to {mount}, {OFF_IMAGE}"
+
+
+REFUSED = [
+    ("preload -> ../dev/leak -> host file",
+     lambda h: both(link("/etc/ld.so.preload", "../dev/leak"), link("/dev/leak", str(h.secret))),
+     leads("/etc/ld.so.preload", "../dev/leak", "/dev")),
+    ("preload -> /dev/shm/leak", lambda h: link("/etc/ld.so.preload", "/dev/shm/leak"),
+     leads("/etc/ld.so.preload", "/dev/shm/leak", "/dev")),
+    ("preload -> /dev/zero", lambda h: link("/etc/ld.so.preload", "/dev/zero"),
+     leads("/etc/ld.so.preload", "/dev/zero", "/dev")),
+    ("preload -> /proc/self/root/...",
+     lambda h: link("/etc/ld.so.preload", f"/proc/self/root{h.secret}"),
+     leads("/etc/ld.so.preload", "/proc/self/root{secret}", "/proc")),
+    ("/etc -> /dev", lambda h: link("/etc", "/dev"),
+     leads("/etc/ld.so.preload", "/dev", "/dev")),
+    ("/run/cgpu -> /dev/shm", lambda h: link("/run/cgpu", "/dev/shm"),
+     leads("/run/cgpu/control", "/dev/shm", "/dev")),
+    ("library folder -> /proc/1/root/tmp", lambda h: link("/usr/local/lib/cgpu",
+                                                         "/proc/1/root/tmp"),
+     leads(LIBRARY, "/proc/1/root/tmp", "/proc")),
+    ("/run/cgpu -> ../sys/kernel", lambda h: link("/run/cgpu", "../sys/kernel"),
+     leads("/run/cgpu/control", "../sys/kernel", "/sys")),
+    ("preload -> host volume /out", lambda h: link("/etc/ld.so.preload", "/out/leak"),
+     leads("/etc/ld.so.preload", "/out/leak", "/out")),
+    ("preload -> itself", lambda h: link("/etc/ld.so.preload", "ld.so.preload"),
+     "/etc/ld.so.preload in the image is a loop of links"),
+    ("preload through a file", lambda h: link("/etc/ld.so.preload", "/bin/busybox/x"),
+     "/etc/ld.so.preload in the image passes through /bin/busybox, which is a file, "
+     "not a folder"),
+    ("preload is a folder", lambda h: preload_folder,
+     "/etc/ld.so.preload in the image is a folder, not a file"),
+    ("preload is a pipe", lambda h: preload_pipe,
+     "/etc/ld.so.preload in the image is a pipe, not a file"),
+    ("preload is a zero device node", lambda h: preload_zero_device,
+     "/etc/ld.so.preload in the image is a device, not a file"),
+    ("preload over 64 KiB", lambda h: preload_too_large,
+     "/etc/ld.so.preload in the image is larger than 64 KiB"),
+    ("preload -> the account part", lambda h: link("/etc/ld.so.preload", "/run/cgpu/account"),
+     "/etc/ld.so.preload in the image is a mount (at /run/cgpu/account), not a file of the "
+     "image's own filesystem"),
+    ("library -> preload", lambda h: link(LIBRARY, "/etc/ld.so.preload"),
+     "/etc/ld.so.preload in the image is a mount, not a file of the image's own filesystem"),
+]
+
+
+def hook_message(stderr: str) -> list[str]:
+    """cgpu-hook's lines in runc's error (runc quotes the hook's stderr)."""
+    return re.findall(r"(cgpu-hook: .*?)\\n", stderr)
+
+
+@pytest.mark.parametrize(("name", "make"), STARTS, ids=[case[0] for case in STARTS])
+def test_an_image_link_that_stays_inside_starts_with_libcgpu_enforced(
+    node: Node, host: Host, name: str, make: Callable[[Host], Edit]
+) -> None:
+    container, code, errors = node.try_container(CGPU_256, image=make(host))
+    assert code == 0, errors
+    info, alloc, under = container.run("info", f"alloc {LIMIT + 1}", f"alloc {LIMIT // 2}")
+    assert fields(info)["total"] == str(LIMIT)
+    assert (alloc, under) == ("alloc rc=2", "alloc rc=0")
+    preload = container.sh("cat /etc/ld.so.preload")
+    assert preload.splitlines() == [LIBRARY], preload
+    shown = container.sh(f"cat /etc/ld.so.preload {host.secret} 2>&1 | "
+                         f"grep -c {host.content.strip()}")
+    assert shown.strip() == "0"
+    host.untouched()
+
+
+@pytest.mark.parametrize(("name", "make", "message"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_an_image_link_off_the_image_refuses_the_start_with_one_line(
+    node: Node, host: Host, name: str, make: Callable[[Host], Edit], message: str
+) -> None:
+    container, code, errors = node.try_container(CGPU_256, image=make(host))
+    assert code != 0
+    expected = f"cgpu-hook: {message.format(secret=host.secret)}; {UNENFORCEABLE}"
+    assert hook_message(errors) == [expected], errors
+    assert not container.region_path.exists()
+    assert list(node.region_dir.iterdir()) == []
+    assert not any(container.out.iterdir())
+    host.untouched()
+
+
+def test_an_image_preload_of_its_own_is_kept_and_libcgpu_added(node: Node) -> None:
+    own = "# the image's own preload\n"
+    container = node.container(CGPU_256, files={"/etc/ld.so.preload": own + LIBRARY + "\n"})
+    assert container.sh("cat /etc/ld.so.preload").splitlines() == [own.strip(), LIBRARY]
+    assert container.run(f"alloc {LIMIT + 1}") == ["alloc rc=2"]
+
+
+def test_a_container_that_is_not_enabled_is_untouched(node: Node, host: Host) -> None:
+    container = node.container({}, image=link("/etc/ld.so.preload", "/dev/zero"))
+    assert container.sh("readlink /etc/ld.so.preload; ls /run").split() == ["/dev/zero"]
+    assert not container.region_path.exists()
+    host.untouched()
+
+
+def test_a_host_user_cannot_use_the_hook(node: Node, host: Host) -> None:
+    """`nobody` on the host runs cgpu-hook prestart for a bundle of its own whose image
+    links /run/cgpu and /etc/ld.so.preload to host paths, naming its own process."""
+    assert SETPRIV is not None
+    bundle = Path(tempfile.mkdtemp(prefix="cgpu-nobody-bundle-"))
+    try:
+        rootfs = bundle / "rootfs"
+        for folder in ("etc", "run"):
+            (rootfs / folder).mkdir(parents=True)
+        (rootfs / "run" / "cgpu").symlink_to(host.sentinel)
+        (rootfs / "etc" / "ld.so.preload").symlink_to(host.secret)
+        env = [f"{k}={v}" for k, v in CGPU_256.items()]
+        (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"},
+                                                        "process": {"env": env}}))
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(bundle)], check=True)
+        sleeper = subprocess.Popen([SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                                    "--clear-groups", "unshare", "-Urm", "sleep", "60"])
+        try:
+            state = json.dumps({"ociVersion": "1.0.2", "id": "nobody" + "0" * 20,
+                                "status": "creating", "pid": sleeper.pid,
+                                "bundle": str(bundle)})
+            hook = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                    str(HOOK)]
+            result = subprocess.run([*hook, "--root", str(node.tree), "prestart"], input=state,
+                                    capture_output=True, text=True, timeout=60,
+                                    env={**node.env, "PATH": os.environ["PATH"]}, cwd="/")
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+        assert result.returncode != 0
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+        assert result.stderr.startswith("cgpu-hook: "), result.stderr
+        assert treefs.read_tree(node.tree).gpus[0].containers == {}
+        assert not node.region_dir.exists() or list(node.region_dir.iterdir()) == []
+    finally:
+        shutil.rmtree(bundle, ignore_errors=True)
+    host.untouched()
+
+
+TMPFS_RUN = {"destination": "/run", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=755"]}
+
+
+@pytest.mark.parametrize("make", [
+    lambda h: None, lambda h: link("/run", "/tmp/run"),
+], ids=["tmpfs /run", "/run -> a tmpfs /tmp/run"])
+def test_a_tmpfs_of_the_container_s_own_takes_the_region(
+    node: Node, host: Host, make: Callable[[Host], Edit | None]
+) -> None:
+    """ctr and `--tmpfs` mount a fresh tmpfs of the container's own: /run/cgpu goes there."""
+    mount = TMPFS_RUN if make(host) is None else {**TMPFS_RUN, "destination": "/tmp"}
+    container = node.container(CGPU_256, image=make(host), mounts=[mount])
+    assert container.run(f"alloc {LIMIT + 1}") == ["alloc rc=2"]
+    assert container.sh("cat /etc/ld.so.preload").splitlines() == [LIBRARY]
+    host.untouched()
+
+
+# Swaps /etc and /run for links onto /dev and back, by renames that keep
+# what is mounted below them (a name that is itself a mount point in another
+# container is not touched: see the security model), until /stop exists.
+RACER = """
+while [ ! -e /stop ]; do
+    mv /etc /etc.real && ln -s ../dev /etc && rm /etc && mv /etc.real /etc
+    mv /run /run.real && ln -s /dev/shm /run && rm /run && mv /run.real /run
+    echo swapped
+done
+"""
+PARTS = ("/run/cgpu/control", "/run/cgpu/account")
+RACE_REFUSALS = (leads("/etc/ld.so.preload", "../dev", "/dev"),
+                 *(leads(part, "/dev/shm", "/dev") for part in PARTS),
+                 *(f"{path} in the container is not the file the hook mounted there"
+                   for path in (LIBRARY, *PARTS, "/etc/ld.so.preload")),
+                 *(f"{path} in the image keeps changing"
+                   for path in (LIBRARY, *PARTS, "/etc/ld.so.preload")))
+
+
+def test_links_swapped_while_the_hook_walks_never_lead_it_out(node: Node, host: Host) -> None:
+    """A container on the same root filesystem swaps /etc and /run for links onto /dev
+    and back, as fast as it can, while containers start on it: each start passes the
+    hook's check from the container's side or is refused with one line, and the host
+    is untouched. (What the racer's folder moves do after a start is the folder-move
+    bypass of the security model, not the hook's walk.)"""
+    racer = node.container({}, user=0)
+    swapping = subprocess.Popen(racer.exec_args(["/bin/sh", "-c", RACER]),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    started: list[object] = []
+    refused: list[str] = []
+    try:
+        for _ in range(12):
+            container, code, errors = node.try_container(CGPU_256, rootfs_of=racer)
+            if code == 0:
+                started.append(container)
+                continue
+            lines = hook_message(errors)
+            assert len(lines) == 1, errors
+            refused.append(lines[0].removeprefix("cgpu-hook: ").removesuffix(
+                f"; {UNENFORCEABLE}"))
+    finally:
+        (racer.rootfs / "stop").touch()
+        swaps, _ = swapping.communicate(timeout=60)  # its last moves may fail: no status
+    assert swaps.count("swapped") > 12  # it raced all along
+    assert len(started) + len(refused) == 12
+    # a file moved between the walk and the mount fails that mount: one line too
+    unexpected = [why for why in refused if why not in RACE_REFUSALS
+                  and not why.startswith("placing libcgpu in the container failed: ")]
+    assert unexpected == [], refused
+    host.untouched()
