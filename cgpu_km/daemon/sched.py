@@ -256,6 +256,11 @@ class _Account:
     last_launches: int | None = None
     last_active: float = 0.0
     drain_limit: float = float("inf")  # how long its drain may take before it is cut
+    turn_end: float = -float("inf")  # when it last stopped holding the GPU
+    last_waiting: float = -float("inf")  # the last step that saw it waiting
+    # How long it had not been waiting (nor holding) when its present wait began;
+    # 0 while it waits on past the end of a turn.
+    rested: float = 0.0
 
 
 NEVER = float("inf")
@@ -301,6 +306,13 @@ class SliceScheduler:
         self._slice_end = 0.0
         self._closed_at: float | None = None  # the holder's slice ended: draining
         self._late: dict[str, float] = {}  # cut before it answered: charged up to
+        # Handed over to a waking container before it answered: its drain's deadline
+        # (these are in _late too).
+        self._overlap: dict[str, float] = {}
+        # The holder granted in a handover is not charged until the drain it overlaps
+        # ends (infinity while it lasts); None: no handover behind this holder.
+        self._free_until: float | None = None
+        self._now_before = -NEVER  # the step before this one
         self._native_open: frozenset[str] = frozenset()
         self._set_allot()
 
@@ -327,8 +339,9 @@ class SliceScheduler:
         self._config = config
         self._active = self._active & frozenset(config.containers)
         self._late = {n: t for n, t in self._late.items() if n in accounts}
+        self._overlap = {n: t for n, t in self._overlap.items() if n in accounts}
         if self.holder is not None and self.holder not in accounts:
-            self.holder, self._closed_at = None, None
+            self.holder, self._closed_at, self._free_until = None, None, None
         self._set_allot()
 
     def credits(self) -> dict[str, float]:
@@ -377,9 +390,17 @@ class SliceScheduler:
             acc.last_launches = seen.launches
         self._accrue(dt)
         for name, charged_to in list(self._late.items()):
+            acc = self._accounts[name]
             if observed.get(name, nothing).answered:
                 self._charge(name, now - charged_to)
                 del self._late[name]
+                if self._overlap.pop(name, None) is not None:  # answered in time
+                    acc.drain_limit = min(2 * self._drain_limit(name), self.drain_timeout)
+                    self._end_free(now)
+            elif name in self._overlap and now >= self._overlap[name]:
+                del self._overlap[name]  # cut: it stays late
+                acc.drain_limit = max(self._drain_limit(name) / 2, self._drain_floor)
+                self._end_free(now)
         # Active: waiting now, or launched or waited within a short while (a busy
         # container's processes are not at the gate every instant: between two
         # turns they drain, wake, launch).
@@ -389,6 +410,12 @@ class SliceScheduler:
         if active != self._active:
             self._active = active
             self._set_allot()
+        for name, acc in self._accounts.items():
+            if observed.get(name, nothing).waiting:
+                if acc.last_waiting < self._now_before:  # a wait begins
+                    acc.rested = now - max(acc.last_waiting, acc.turn_end)
+                acc.last_waiting = now
+        self._now_before = now
         if self._config.policy is Policy.NATIVE:
             return self._native(now, dt)
         return self._exclusive(now, observed)
@@ -413,12 +440,67 @@ class SliceScheduler:
         return (self._rates[name][0] > 0 and acc.credit >= -slack
                 and acc.cap_credit >= -1e-9)
 
+    def _waking(self, waiting: Set[str]) -> set[str]:
+        """Those that may take the GPU from its holder at once: owed time (share
+        credit not below zero), waiting after a rest of at least `idle_grace`
+        (neither waiting nor holding: a busy container that waits on past its
+        own turn is not waking, whatever its credit), and of the holder's
+        priority or higher."""
+        holder = self.holder
+        if holder is None or self._overlap:
+            return set()  # one handover drains at a time
+        prio = self._allot[holder].preempts
+        return {n for n in waiting
+                if n != holder and self._accounts[n].rested >= self.idle_grace
+                and self._eligible(n, slack=0.0) and (self._allot[n].preempts or not prio)}
+
+    def _hand_over(self, now: float) -> None:
+        """The holder's gate closes and the GPU goes to a waking container at once:
+        the driver time-slices the two while the holder drains. The holder is
+        charged until its answer is seen (it is late until then); the next one
+        from then on (the overlap is the cost of what the holder had queued)."""
+        holder = self.holder
+        assert holder is not None
+        closed = self._closed_at if self._closed_at is not None else now
+        self._charge_holder(now)
+        self._late[holder] = now
+        self._overlap[holder] = closed + self._drain_limit(holder)
+        self._release(now)
+        self._free_until = NEVER
+
+    def _end_free(self, now: float) -> None:
+        """The drain a handover's holder overlaps has ended: it is charged from now."""
+        if self._free_until == NEVER:
+            self._free_until = now
+
+    def _charge_holder(self, now: float) -> None:
+        """Charge the holder up to `now` since it was last charged (none of a
+        handover's overlap), and count on from `now`."""
+        if self.holder is None:
+            return
+        since = self._granted_at
+        if self._free_until is not None:
+            since = max(since, min(self._free_until, now))
+        self._charge(self.holder, now - since)
+        self._granted_at = now
+
+    def _release(self, now: float) -> None:
+        """The holder's turn is over (it has answered, or is late)."""
+        if self.holder is not None:
+            acc = self._accounts[self.holder]
+            acc.turn_end, acc.rested = now, 0.0
+        self.holder, self._closed_at, self._free_until = None, None, None
+
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
         nothing = Observation()
         # A container cut before it answered still has work of its own on the GPU:
         # it waits for nothing until it answers.
         waiting = {n for n in self._accounts
                    if observed.get(n, nothing).waiting and n not in self._late}
+        waking = self._waking(waiting)
+        if waking:
+            self._hand_over(now)
+            return self._grant(now, waiting, among=waking)
         holder = self.holder
         if holder is not None and self._closed_at is None:
             # Who would take the GPU if the holder gave it up: under the
@@ -427,6 +509,7 @@ class SliceScheduler:
             others = {n for n in waiting - {holder}
                       if self._eligible(n) or (lend and self._rates[n][0] > 0
                                                and self._accounts[n].cap_credit >= 0)}
+            # Idle: it gave up the GPU as soon as someone else waits or drains.
             idle = now - self._accounts[holder].last_active >= self.idle_grace
             preempted = not self._allot[holder].preempts and any(
                 self._allot[n].preempts and self._eligible(n) for n in others)
@@ -435,9 +518,8 @@ class SliceScheduler:
                                       + self._slice_length(holder))
             ended = now >= self._slice_end
             if ended:  # charge the slice so far: is there credit for another?
-                self._charge(holder, now - self._granted_at)
-                self._granted_at = now
-            if not (preempted or (others and (ended or idle))
+                self._charge_holder(now)
+            if not (preempted or (others and ended) or (idle and (others or self._late))
                     or (ended and not self._eligible(holder, slack=1e-9))):
                 if ended:  # nobody else may take it: a new slice, no drain
                     company = self._active - {holder}
@@ -445,7 +527,7 @@ class SliceScheduler:
                         self.quantum * MAX_QUANTA
                     self._slice_end = now + (self._slice_length(holder) if company else alone)
                 wake_at = self._slice_end
-                if others:
+                if others or self._late:
                     wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
                 return self._decision(frozenset({holder}), wake_at)
             # Closed now: the answers in `observed` predate this close.
@@ -461,14 +543,14 @@ class SliceScheduler:
             # end, and the time it took to say so kept the GPU from the others. The
             # drain time the answer names is the processes' own claim: one dated
             # early would make the others pay for a late answer.
-            self._charge(holder, now - self._granted_at)
+            self._charge_holder(now)
             if seen.answered:
                 acc.drain_limit = min(2 * limit, self.drain_timeout)
             else:  # cut: charged on until it answers, and not granted before
                 self._late[holder] = now
                 acc.drain_limit = max(limit / 2, self._drain_floor)
                 waiting.discard(holder)
-            self.holder, self._closed_at = None, None
+            self._release(now)
         return self._grant(now, waiting)
 
     def _drain_limit(self, name: str) -> float:
@@ -503,9 +585,11 @@ class SliceScheduler:
         ratio = self._rates[name][0] / smallest if smallest > 0 else 1.0
         return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
 
-    def _grant(self, now: float, waiting: Set[str]) -> SliceDecision:
+    def _grant(self, now: float, waiting: Set[str], among: Set[str] | None = None
+               ) -> SliceDecision:
+        """The GPU to the most owed of `among` (by default: of those waiting)."""
         self._settle(waiting)
-        candidates = [n for n in waiting if self._eligible(n)]
+        candidates = [n for n in (waiting if among is None else among) if self._eligible(n)]
         if candidates:
             prio = [n for n in candidates if self._allot[n].preempts]
             pool = prio or candidates
@@ -560,6 +644,7 @@ class SliceScheduler:
         return self._decision(frozenset(open_), wake_at)
 
     def _decision(self, open_: frozenset[str], wake_at: float) -> SliceDecision:
+        wake_at = min((wake_at, *self._overlap.values()))  # when a handover's drain is cut
         return SliceDecision(open=open_, holder=self.holder, wake_at=wake_at,
                              shares=dict(self._shares))
 
