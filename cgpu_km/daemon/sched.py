@@ -254,12 +254,11 @@ class _Account:
     cap_credit: float = 0.0
     used: float = 0.0  # GPU seconds charged so far
     last_launches: int | None = None
-    last_active: float = 0.0
+    last_active: float = -float("inf")
     drain_limit: float = float("inf")  # how long its drain may take before it is cut
-    turn_end: float = -float("inf")  # when it last stopped holding the GPU
     last_waiting: float = -float("inf")  # the last step that saw it waiting
-    # How long it had not been waiting (nor holding) when its present wait began;
-    # 0 while it waits on past the end of a turn.
+    # How long it had neither launched nor waited when its present wait began; 0
+    # while it waits on past the end of a turn.
     rested: float = 0.0
 
 
@@ -309,9 +308,12 @@ class SliceScheduler:
         # Handed over to a waking container before it answered: its drain's deadline
         # (these are in _late too).
         self._overlap: dict[str, float] = {}
-        # The holder granted in a handover is not charged until the drain it overlaps
-        # ends (infinity while it lasts); None: no handover behind this holder.
+        # A handover's holder shares the GPU with the drain it overlaps: that span
+        # (the drainer, its start) is paid half by each, so the holder is not
+        # charged at its own rate until `_free_until` (infinity while it lasts).
+        self._shared: tuple[str, float] | None = None
         self._free_until: float | None = None
+        self._refund: dict[str, float] = {}  # a drainer's half of what it shared
         self._now_before = -NEVER  # the step before this one
         self._native_open: frozenset[str] = frozenset()
         self._set_allot()
@@ -340,8 +342,11 @@ class SliceScheduler:
         self._active = self._active & frozenset(config.containers)
         self._late = {n: t for n, t in self._late.items() if n in accounts}
         self._overlap = {n: t for n, t in self._overlap.items() if n in accounts}
+        self._refund = {n: t for n, t in self._refund.items() if n in accounts}
+        if self._shared is not None and self._shared[0] not in accounts:
+            self._shared = None
         if self.holder is not None and self.holder not in accounts:
-            self.holder, self._closed_at, self._free_until = None, None, None
+            self.holder, self._closed_at, self._free_until, self._shared = None, None, None, None
         self._set_allot()
 
     def credits(self) -> dict[str, float]:
@@ -384,23 +389,28 @@ class SliceScheduler:
         nothing = Observation()
         for name, acc in self._accounts.items():
             seen = observed.get(name, nothing)
+            if seen.waiting:
+                if acc.last_waiting < self._now_before or acc.last_waiting == -NEVER:
+                    acc.rested = now - acc.last_active  # a wait begins
+                acc.last_waiting = now
             if seen.waiting or (acc.last_launches is not None
                                 and seen.launches != acc.last_launches):
                 acc.last_active = now
             acc.last_launches = seen.launches
+        self._now_before = now
         self._accrue(dt)
         for name, charged_to in list(self._late.items()):
             acc = self._accounts[name]
             if observed.get(name, nothing).answered:
-                self._charge(name, now - charged_to)
-                del self._late[name]
                 if self._overlap.pop(name, None) is not None:  # answered in time
                     acc.drain_limit = min(2 * self._drain_limit(name), self.drain_timeout)
-                    self._end_free(now)
+                    self._end_shared(now)
+                self._charge(name, now - charged_to - self._refund.pop(name, 0.0))
+                del self._late[name]
             elif name in self._overlap and now >= self._overlap[name]:
                 del self._overlap[name]  # cut: it stays late
                 acc.drain_limit = max(self._drain_limit(name) / 2, self._drain_floor)
-                self._end_free(now)
+                self._end_shared(now)
         # Active: waiting now, or launched or waited within a short while (a busy
         # container's processes are not at the gate every instant: between two
         # turns they drain, wake, launch).
@@ -410,12 +420,6 @@ class SliceScheduler:
         if active != self._active:
             self._active = active
             self._set_allot()
-        for name, acc in self._accounts.items():
-            if observed.get(name, nothing).waiting:
-                if acc.last_waiting < self._now_before:  # a wait begins
-                    acc.rested = now - max(acc.last_waiting, acc.turn_end)
-                acc.last_waiting = now
-        self._now_before = now
         if self._config.policy is Policy.NATIVE:
             return self._native(now, dt)
         return self._exclusive(now, observed)
@@ -443,7 +447,7 @@ class SliceScheduler:
     def _waking(self, waiting: Set[str]) -> set[str]:
         """Those that may take the GPU from its holder at once: owed time (share
         credit not below zero), waiting after a rest of at least `idle_grace`
-        (neither waiting nor holding: a busy container that waits on past its
+        (neither launching nor waiting: a busy container that waits on past its
         own turn is not waking, whatever its credit), and of the holder's
         priority or higher."""
         holder = self.holder
@@ -466,12 +470,20 @@ class SliceScheduler:
         self._late[holder] = now
         self._overlap[holder] = closed + self._drain_limit(holder)
         self._release(now)
-        self._free_until = NEVER
+        self._shared, self._free_until = (holder, now), NEVER
 
-    def _end_free(self, now: float) -> None:
-        """The drain a handover's holder overlaps has ended: it is charged from now."""
-        if self._free_until == NEVER:
-            self._free_until = now
+    def _end_shared(self, now: float) -> None:
+        """The span in which a handover's holder and the drain it overlaps shared the
+        GPU has ended (the drainer answered or was cut, or the holder's turn ended):
+        each pays half of it, as the driver's time slicing gives each about half."""
+        if self._shared is None:
+            return
+        drainer, start = self._shared
+        half = (now - start) / 2
+        self._refund[drainer] = self._refund.get(drainer, 0.0) + half
+        if self.holder is not None:
+            self._charge(self.holder, half)
+        self._shared, self._free_until = None, now
 
     def _charge_holder(self, now: float) -> None:
         """Charge the holder up to `now` since it was last charged (none of a
@@ -485,10 +497,11 @@ class SliceScheduler:
         self._granted_at = now
 
     def _release(self, now: float) -> None:
-        """The holder's turn is over (it has answered, or is late)."""
+        """The holder's turn is over (it has answered, or is late): waiting on, it
+        is not waking."""
+        self._end_shared(now)
         if self.holder is not None:
-            acc = self._accounts[self.holder]
-            acc.turn_end, acc.rested = now, 0.0
+            self._accounts[self.holder].rested = 0.0
         self.holder, self._closed_at, self._free_until = None, None, None
 
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
@@ -595,11 +608,13 @@ class SliceScheduler:
             pool = prio or candidates
             # The most owed for its share: the furthest behind in wall-clock time.
             chosen = max(pool, key=lambda n: (self._accounts[n].credit / self._rates[n][0], n))
+            for name in waiting:  # passed over, or granted: none of them is waking now
+                self._accounts[name].rested = 0.0
             self.holder = chosen
             self._granted_at, self._slice_end = now, now + self._slice_length(chosen)
             self._accounts[chosen].last_active = now
             wake_at = self._slice_end
-            if len(waiting) > 1:
+            if len(waiting) > 1 or self._late:  # when it may give the GPU up idle
                 wake_at = min(wake_at, now + self.idle_grace)
             return self._decision(frozenset({chosen}), wake_at)
         # Nobody may run now: wake when the first waiting one's credits allow.

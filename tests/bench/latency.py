@@ -41,8 +41,11 @@ class Row:
 
 
 def interactive(count: int) -> tuple[Workload, ...]:
-    """`count` interactive containers, their requests spread evenly over the 20 ms."""
-    return tuple(replace(INTERACTIVE, phase_ms=i * REQUEST_MS // count) for i in range(count))
+    """`count` interactive containers, their requests spread evenly over the 20 ms, the
+    first 5 ms after the start (a neighbour starting at the same instant would make
+    the first request a tie)."""
+    return tuple(replace(INTERACTIVE, phase_ms=5 + i * REQUEST_MS // count)
+                 for i in range(count))
 
 
 ROWS: tuple[Row, ...] = (
@@ -52,7 +55,8 @@ ROWS: tuple[Row, ...] = (
     Row("64 streams x 2 of 20 ms", interactive(1),
         (Workload("q", 20000, depth=2, streams=64),)),
     Row("8 procs each, one busy",
-        (replace(INTERACTIVE, procs=8, request_ms=8 * REQUEST_MS),), (replace(BUSY, procs=8),)),
+        (replace(INTERACTIVE, procs=8, request_ms=8 * REQUEST_MS, phase_ms=5),),
+        (replace(BUSY, procs=8),)),
     Row("single 50 ms kernels", interactive(1), (Workload("long", 50000, depth=1),)),
     Row("2 interactive", interactive(2)),
     Row("4 interactive", interactive(4)),
