@@ -270,6 +270,9 @@ NEVER = float("inf")
 QUANTUM = 0.02
 MAX_QUANTA = 4.0  # the longest slice, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
+# Handovers whose drains may overlap the holder at once (a chain of waking
+# containers: each earlier drainer pays in full once its successor's turn ends).
+MAX_OVERLAP = 2
 # A holder alone with the whole GPU is looked at this often (a container that
 # starts waiting rings, and is looked at at once).
 LONE_SLICE = 0.25
@@ -445,18 +448,18 @@ class SliceScheduler:
                 and acc.cap_credit >= -1e-9)
 
     def _waking(self, waiting: Set[str]) -> set[str]:
-        """Those that may take the GPU from its holder at once: owed time (share
-        credit not below zero), waiting after a rest of at least `idle_grace`
+        """Those that may take the GPU from its holder at once: eligible (share
+        credit not below a quarter quantum's), waiting after a rest of at least `idle_grace`
         (neither launching nor waiting: a busy container that waits on past its
         own turn is not waking, whatever its credit), and of the holder's
         priority or higher."""
         holder = self.holder
-        if holder is None or self._overlap:
-            return set()  # one handover drains at a time
+        if holder is None or len(self._overlap) >= MAX_OVERLAP:
+            return set()
         prio = self._allot[holder].preempts
         return {n for n in waiting
                 if n != holder and self._accounts[n].rested >= self.idle_grace
-                and self._eligible(n, slack=0.0) and (self._allot[n].preempts or not prio)}
+                and self._eligible(n) and (self._allot[n].preempts or not prio)}
 
     def _hand_over(self, now: float) -> None:
         """The holder's gate closes and the GPU goes to a waking container at once:

@@ -209,11 +209,11 @@ def latency_table(base: Path, root: Path, quick: bool, slice_s: float | None) ->
         for row in latency.ROWS:
             got = {column: latency.result(row, engine.run(policy, row.workloads()), seconds)
                    for column, policy in latency.COLUMNS}
-            base = got["none"]
+            none = got["none"]
             for column, _policy in latency.COLUMNS:
-                print(latency.line(row, column, got[column], base), flush=True)
+                print(latency.line(row, column, got[column], none), flush=True)
                 if column != "none":
-                    worst = max(worst, latency.ratio(got[column].p99, base.p99))
+                    worst = max(worst, latency.ratio(got[column].p99, none.p99))
     finally:
         host.close()
     print(f"worst p99 against none under policies 1, 2, 4: {worst:.2f}x (target: at most "
