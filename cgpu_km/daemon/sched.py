@@ -52,6 +52,16 @@ stays idle until one is (that is how shares below 1 hold under policies
 0, 2 and 3). Positive credit is clamped to a short burst while a container
 is idle (no banking). A lone busy holder keeps the GPU without a drain:
 its slice is renewed while nobody else waits and its credit allows.
+
+Handovers, for latency: a container that starts waiting after a rest (it
+had neither launched nor waited for `idle_grace`) and is eligible takes
+the GPU from its holder at once, instead of after the holder's slice and
+drain. The holder's gate closes and it is late until it answers (not
+granted before, charged until then, cut at its drain limit as any
+holder); the driver time-slices the two meanwhile, and that shared span
+is paid half by each. A busy container waiting on past its own turn never
+rests, so between busy containers slices and drains are as above; at most
+MAX_OVERLAP handover drains run at once.
 """
 
 from __future__ import annotations
