@@ -54,9 +54,9 @@ is idle (no banking). A lone busy holder keeps the GPU without a drain:
 its slice is renewed while nobody else waits and its credit allows.
 
 Handovers, for latency: a container that starts waiting after a rest (it
-had neither launched nor waited for `idle_grace`) and is eligible takes
-the GPU from its holder at once, instead of after the holder's slice and
-drain. The holder's gate closes and it is late until it answers (not
+had neither launched, waited nor held the GPU for half a quantum) and is
+eligible takes the GPU from its holder at once, instead of after the
+holder's slice and drain. The holder's gate closes and it is late until it answers (not
 granted before, charged until then, cut at its drain limit as any
 holder); the driver time-slices the two meanwhile, and that shared span
 is paid half by each. A busy container waiting on past its own turn never
@@ -280,6 +280,7 @@ NEVER = float("inf")
 QUANTUM = 0.02
 MAX_QUANTA = 4.0  # the longest slice, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
+REST_QUANTA = 0.5  # how long a container must rest before it may wake into the GPU
 # Handovers whose drains may overlap the holder at once (a chain of waking
 # containers: each earlier drainer pays in full once its successor's turn ends).
 MAX_OVERLAP = 2
@@ -459,16 +460,17 @@ class SliceScheduler:
 
     def _waking(self, waiting: Set[str]) -> set[str]:
         """Those that may take the GPU from its holder at once: eligible (share
-        credit not below a quarter quantum's), waiting after a rest of at least `idle_grace`
-        (neither launching nor waiting: a busy container that waits on past its
-        own turn is not waking, whatever its credit), and of the holder's
-        priority or higher."""
+        credit not below a quarter quantum's), waiting after a rest of half a
+        quantum (neither launching, waiting nor holding the GPU: a busy
+        container whose processes come back to the gate late after its turn,
+        on a loaded host, is not waking), and of the holder's priority or
+        higher."""
         holder = self.holder
         if holder is None or len(self._overlap) >= MAX_OVERLAP:
             return set()
         prio = self._allot[holder].preempts
         return {n for n in waiting
-                if n != holder and self._accounts[n].rested >= self.idle_grace
+                if n != holder and self._accounts[n].rested >= self.quantum * REST_QUANTA
                 and self._eligible(n) and (self._allot[n].preempts or not prio)}
 
     def _hand_over(self, now: float) -> None:
@@ -513,8 +515,9 @@ class SliceScheduler:
         """The holder's turn is over (it has answered, or is late): waiting on, it
         is not waking."""
         self._end_shared(now)
-        if self.holder is not None:
-            self._accounts[self.holder].rested = 0.0
+        if self.holder is not None:  # a rest is counted from here at the earliest
+            acc = self._accounts[self.holder]
+            acc.rested, acc.last_active = 0.0, now
         self.holder, self._closed_at, self._free_until = None, None, None
 
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
