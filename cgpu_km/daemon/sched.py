@@ -515,9 +515,11 @@ class SliceScheduler:
         """The holder's turn is over (it has answered, or is late): waiting on, it
         is not waking."""
         self._end_shared(now)
-        if self.holder is not None:  # a rest is counted from here at the earliest
+        if self.holder is not None:
             acc = self._accounts[self.holder]
-            acc.rested, acc.last_active = 0.0, now
+            acc.rested = 0.0
+            if now - acc.last_active < self.idle_grace:  # busy to the end: a rest starts now
+                acc.last_active = now
         self.holder, self._closed_at, self._free_until = None, None, None
 
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
