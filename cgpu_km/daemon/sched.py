@@ -52,6 +52,16 @@ stays idle until one is (that is how shares below 1 hold under policies
 0, 2 and 3). Positive credit is clamped to a short burst while a container
 is idle (no banking). A lone busy holder keeps the GPU without a drain:
 its slice is renewed while nobody else waits and its credit allows.
+
+Handovers, for latency: a container that starts waiting after a rest (it
+had neither launched, waited nor held the GPU for half a quantum) and is
+eligible takes the GPU from its holder at once, instead of after the
+holder's slice and drain. The holder's gate closes and it is late until it answers (not
+granted before, charged until then, cut at its drain limit as any
+holder); the driver time-slices the two meanwhile, and that shared span
+is paid half by each. A busy container waiting on past its own turn never
+rests, so between busy containers slices and drains are as above; at most
+MAX_OVERLAP handover drains run at once.
 """
 
 from __future__ import annotations
@@ -254,8 +264,12 @@ class _Account:
     cap_credit: float = 0.0
     used: float = 0.0  # GPU seconds charged so far
     last_launches: int | None = None
-    last_active: float = 0.0
+    last_active: float = -float("inf")
     drain_limit: float = float("inf")  # how long its drain may take before it is cut
+    last_waiting: float = -float("inf")  # the last step that saw it waiting
+    # How long it had neither launched nor waited when its present wait began; 0
+    # while it waits on past the end of a turn.
+    rested: float = 0.0
 
 
 NEVER = float("inf")
@@ -266,6 +280,10 @@ NEVER = float("inf")
 QUANTUM = 0.02
 MAX_QUANTA = 4.0  # the longest slice, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
+REST_QUANTA = 0.5  # how long a container must rest before it may wake into the GPU
+# Handovers whose drains may overlap the holder at once (a chain of waking
+# containers: each earlier drainer pays in full once its successor's turn ends).
+MAX_OVERLAP = 2
 # A holder alone with the whole GPU is looked at this often (a container that
 # starts waiting rings, and is looked at at once).
 LONE_SLICE = 0.25
@@ -301,6 +319,16 @@ class SliceScheduler:
         self._slice_end = 0.0
         self._closed_at: float | None = None  # the holder's slice ended: draining
         self._late: dict[str, float] = {}  # cut before it answered: charged up to
+        # Handed over to a waking container before it answered: its drain's deadline
+        # (these are in _late too).
+        self._overlap: dict[str, float] = {}
+        # A handover's holder shares the GPU with the drain it overlaps: that span
+        # (the drainer, its start) is paid half by each, so the holder is not
+        # charged at its own rate until `_free_until` (infinity while it lasts).
+        self._shared: tuple[str, float] | None = None
+        self._free_until: float | None = None
+        self._refund: dict[str, float] = {}  # a drainer's half of what it shared
+        self._now_before = -NEVER  # the step before this one
         self._native_open: frozenset[str] = frozenset()
         self._set_allot()
 
@@ -327,8 +355,12 @@ class SliceScheduler:
         self._config = config
         self._active = self._active & frozenset(config.containers)
         self._late = {n: t for n, t in self._late.items() if n in accounts}
+        self._overlap = {n: t for n, t in self._overlap.items() if n in accounts}
+        self._refund = {n: t for n, t in self._refund.items() if n in accounts}
+        if self._shared is not None and self._shared[0] not in accounts:
+            self._shared = None
         if self.holder is not None and self.holder not in accounts:
-            self.holder, self._closed_at = None, None
+            self.holder, self._closed_at, self._free_until, self._shared = None, None, None, None
         self._set_allot()
 
     def credits(self) -> dict[str, float]:
@@ -371,15 +403,28 @@ class SliceScheduler:
         nothing = Observation()
         for name, acc in self._accounts.items():
             seen = observed.get(name, nothing)
+            if seen.waiting:
+                if acc.last_waiting < self._now_before or acc.last_waiting == -NEVER:
+                    acc.rested = now - acc.last_active  # a wait begins
+                acc.last_waiting = now
             if seen.waiting or (acc.last_launches is not None
                                 and seen.launches != acc.last_launches):
                 acc.last_active = now
             acc.last_launches = seen.launches
+        self._now_before = now
         self._accrue(dt)
         for name, charged_to in list(self._late.items()):
+            acc = self._accounts[name]
             if observed.get(name, nothing).answered:
-                self._charge(name, now - charged_to)
+                if self._overlap.pop(name, None) is not None:  # answered in time
+                    acc.drain_limit = min(2 * self._drain_limit(name), self.drain_timeout)
+                    self._end_shared(now)
+                self._charge(name, now - charged_to - self._refund.pop(name, 0.0))
                 del self._late[name]
+            elif name in self._overlap and now >= self._overlap[name]:
+                del self._overlap[name]  # cut: it stays late
+                acc.drain_limit = max(self._drain_limit(name) / 2, self._drain_floor)
+                self._end_shared(now)
         # Active: waiting now, or launched or waited within a short while (a busy
         # container's processes are not at the gate every instant: between two
         # turns they drain, wake, launch).
@@ -413,12 +458,80 @@ class SliceScheduler:
         return (self._rates[name][0] > 0 and acc.credit >= -slack
                 and acc.cap_credit >= -1e-9)
 
+    def _waking(self, waiting: Set[str]) -> set[str]:
+        """Those that may take the GPU from its holder at once: eligible (share
+        credit not below a quarter quantum's), waiting after a rest of half a
+        quantum (neither launching, waiting nor holding the GPU: a busy
+        container whose processes come back to the gate late after its turn,
+        on a loaded host, is not waking), and of the holder's priority or
+        higher."""
+        holder = self.holder
+        if holder is None or len(self._overlap) >= MAX_OVERLAP:
+            return set()
+        prio = self._allot[holder].preempts
+        return {n for n in waiting
+                if n != holder and self._accounts[n].rested >= self.quantum * REST_QUANTA
+                and self._eligible(n) and (self._allot[n].preempts or not prio)}
+
+    def _hand_over(self, now: float) -> None:
+        """The holder's gate closes and the GPU goes to a waking container at once:
+        the driver time-slices the two while the holder drains. The holder is
+        charged until its answer is seen (it is late until then); the next one
+        from then on (the overlap is the cost of what the holder had queued)."""
+        holder = self.holder
+        assert holder is not None
+        closed = self._closed_at if self._closed_at is not None else now
+        self._charge_holder(now)
+        self._late[holder] = now
+        self._overlap[holder] = closed + self._drain_limit(holder)
+        self._release(now)
+        self._shared, self._free_until = (holder, now), NEVER
+
+    def _end_shared(self, now: float) -> None:
+        """The span in which a handover's holder and the drain it overlaps shared the
+        GPU has ended (the drainer answered or was cut, or the holder's turn ended):
+        each pays half of it, as the driver's time slicing gives each about half."""
+        if self._shared is None:
+            return
+        drainer, start = self._shared
+        half = (now - start) / 2
+        self._refund[drainer] = self._refund.get(drainer, 0.0) + half
+        if self.holder is not None:
+            self._charge(self.holder, half)
+        self._shared, self._free_until = None, now
+
+    def _charge_holder(self, now: float) -> None:
+        """Charge the holder up to `now` since it was last charged (none of a
+        handover's overlap), and count on from `now`."""
+        if self.holder is None:
+            return
+        since = self._granted_at
+        if self._free_until is not None:
+            since = max(since, min(self._free_until, now))
+        self._charge(self.holder, now - since)
+        self._granted_at = now
+
+    def _release(self, now: float) -> None:
+        """The holder's turn is over (it has answered, or is late): waiting on, it
+        is not waking."""
+        self._end_shared(now)
+        if self.holder is not None:
+            acc = self._accounts[self.holder]
+            acc.rested = 0.0
+            if now - acc.last_active < self.idle_grace:  # busy to the end: a rest starts now
+                acc.last_active = now
+        self.holder, self._closed_at, self._free_until = None, None, None
+
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
         nothing = Observation()
         # A container cut before it answered still has work of its own on the GPU:
         # it waits for nothing until it answers.
         waiting = {n for n in self._accounts
                    if observed.get(n, nothing).waiting and n not in self._late}
+        waking = self._waking(waiting)
+        if waking:
+            self._hand_over(now)
+            return self._grant(now, waiting, among=waking)
         holder = self.holder
         if holder is not None and self._closed_at is None:
             # Who would take the GPU if the holder gave it up: under the
@@ -427,6 +540,7 @@ class SliceScheduler:
             others = {n for n in waiting - {holder}
                       if self._eligible(n) or (lend and self._rates[n][0] > 0
                                                and self._accounts[n].cap_credit >= 0)}
+            # Idle: it gave up the GPU as soon as someone else waits or drains.
             idle = now - self._accounts[holder].last_active >= self.idle_grace
             preempted = not self._allot[holder].preempts and any(
                 self._allot[n].preempts and self._eligible(n) for n in others)
@@ -435,9 +549,8 @@ class SliceScheduler:
                                       + self._slice_length(holder))
             ended = now >= self._slice_end
             if ended:  # charge the slice so far: is there credit for another?
-                self._charge(holder, now - self._granted_at)
-                self._granted_at = now
-            if not (preempted or (others and (ended or idle))
+                self._charge_holder(now)
+            if not (preempted or (others and ended) or (idle and (others or self._late))
                     or (ended and not self._eligible(holder, slack=1e-9))):
                 if ended:  # nobody else may take it: a new slice, no drain
                     company = self._active - {holder}
@@ -445,7 +558,7 @@ class SliceScheduler:
                         self.quantum * MAX_QUANTA
                     self._slice_end = now + (self._slice_length(holder) if company else alone)
                 wake_at = self._slice_end
-                if others:
+                if others or self._late:
                     wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
                 return self._decision(frozenset({holder}), wake_at)
             # Closed now: the answers in `observed` predate this close.
@@ -461,14 +574,14 @@ class SliceScheduler:
             # end, and the time it took to say so kept the GPU from the others. The
             # drain time the answer names is the processes' own claim: one dated
             # early would make the others pay for a late answer.
-            self._charge(holder, now - self._granted_at)
+            self._charge_holder(now)
             if seen.answered:
                 acc.drain_limit = min(2 * limit, self.drain_timeout)
             else:  # cut: charged on until it answers, and not granted before
                 self._late[holder] = now
                 acc.drain_limit = max(limit / 2, self._drain_floor)
                 waiting.discard(holder)
-            self.holder, self._closed_at = None, None
+            self._release(now)
         return self._grant(now, waiting)
 
     def _drain_limit(self, name: str) -> float:
@@ -503,19 +616,23 @@ class SliceScheduler:
         ratio = self._rates[name][0] / smallest if smallest > 0 else 1.0
         return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
 
-    def _grant(self, now: float, waiting: Set[str]) -> SliceDecision:
+    def _grant(self, now: float, waiting: Set[str], among: Set[str] | None = None
+               ) -> SliceDecision:
+        """The GPU to the most owed of `among` (by default: of those waiting)."""
         self._settle(waiting)
-        candidates = [n for n in waiting if self._eligible(n)]
+        candidates = [n for n in (waiting if among is None else among) if self._eligible(n)]
         if candidates:
             prio = [n for n in candidates if self._allot[n].preempts]
             pool = prio or candidates
             # The most owed for its share: the furthest behind in wall-clock time.
             chosen = max(pool, key=lambda n: (self._accounts[n].credit / self._rates[n][0], n))
+            for name in waiting:  # passed over, or granted: none of them is waking now
+                self._accounts[name].rested = 0.0
             self.holder = chosen
             self._granted_at, self._slice_end = now, now + self._slice_length(chosen)
             self._accounts[chosen].last_active = now
             wake_at = self._slice_end
-            if len(waiting) > 1:
+            if len(waiting) > 1 or self._late:  # when it may give the GPU up idle
                 wake_at = min(wake_at, now + self.idle_grace)
             return self._decision(frozenset({chosen}), wake_at)
         # Nobody may run now: wake when the first waiting one's credits allow.
@@ -560,6 +677,7 @@ class SliceScheduler:
         return self._decision(frozenset(open_), wake_at)
 
     def _decision(self, open_: frozenset[str], wake_at: float) -> SliceDecision:
+        wake_at = min((wake_at, *self._overlap.values()))  # when a handover's drain is cut
         return SliceDecision(open=open_, holder=self.holder, wake_at=wake_at,
                              shares=dict(self._shares))
 

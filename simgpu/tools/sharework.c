@@ -2,8 +2,9 @@
  * sharework: a workload that counts the kernels it completes, for measuring
  * compute shares from the workloads' side.
  *
- *   sharework --us US --seconds S [--procs P] [--depth N] [--bucket-ms MS]
- *             [--device N] [--go-stdin]
+ *   sharework --us US --seconds S [--procs P] [--depth N] [--streams N]
+ *             [--request-ms MS [--phase-ms MS]] [--bucket-ms MS] [--device N]
+ *             [--go-stdin]
  *
  * The parent forks P processes before touching the driver; each creates its
  * own context and stream and loads a kernel "sleep_<US>". When all are
@@ -13,16 +14,26 @@
  * without it, or without T, the run starts at once. The start is t0.
  *
  * Each process launches kernels back to back and keeps N (--depth, default
- * 2) of its own launches outstanding: it records an event after every
- * kernel, and before launching more it waits on the event of the launch N
- * back. A kernel counts as completed when the wait on its event returns, in
- * the bucket (--bucket-ms, default 10) of CLOCK_MONOTONIC since t0 it
- * returned in. A process stops launching at t0 + S or on SIGTERM (the parent
- * forwards it), waits for what it has outstanding, and exits; completions
- * after t0 + S are not counted. Then the parent prints
+ * 2) of its own launches outstanding on each of its streams (--streams,
+ * default 1, taken in turn): it records an event after every kernel, and
+ * before launching more on a stream it waits on the event of that stream's
+ * launch N back. A kernel counts as completed when the wait on its event
+ * returns, in the bucket (--bucket-ms, default 10) of CLOCK_MONOTONIC since
+ * t0 it returned in. A process stops launching at t0 + S or on SIGTERM (the
+ * parent forwards it), waits for what it has outstanding, and exits;
+ * completions after t0 + S are not counted.
+ *
+ * With --request-ms MS a process serves requests instead, as an inference
+ * service does: at t0 + PHASE + i * MS / P + k * MS (process i of P,
+ * --phase-ms PHASE, default 0; or at once, when the one before ran past
+ * it) it launches N (--depth) kernels on its first stream and synchronizes
+ * the stream; the request's latency is from its first launch (the gate's
+ * wait included) to the end of that synchronize, and its N kernels count
+ * as completed when the synchronize returns. Then the parent prints
  *
  *   counts t0=<s> bucket_ms=<ms> seconds=<S> procs=<P> kernels=<n> per_proc=<n>,...
  *   buckets <n> <n> ...
+ *   latency_us <n> <n> ...     (--request-ms only: every request that ended by t0 + S)
  *
  * The module is PTX, loaded from memory: simgpu accepts any image and runs
  * sleep_<US> for US microseconds; NVIDIA's driver JIT-compiles it into a
@@ -50,18 +61,22 @@
 
 #define MAX_PROCS 64
 #define MAX_DEPTH 64
+#define MAX_STREAMS 64
 #define NS ((int64_t)1000000000)
 
 struct options {
     unsigned us;
     double seconds;
-    int procs, depth, bucket_ms, device, go_stdin;
+    int procs, depth, streams, request_ms, phase_ms, bucket_ms, device, go_stdin;
 };
 
 /* Shared between the parent and its processes (an anonymous shared mapping). */
 struct tally {
     int64_t t0_ns;
     uint64_t per_proc[MAX_PROCS];
+    uint32_t requests[MAX_PROCS];  /* requests each process ended in time */
+    uint32_t *latency_us;          /* [process][request]: max_requests per process */
+    size_t max_requests;
     uint32_t buckets[]; /* completions per bucket since t0 */
 };
 
@@ -128,8 +143,9 @@ static void kernel_ptx(char *out, size_t size, unsigned us)
 
 struct gpu {
     CUfunction fn;
-    CUstream stream;
-    CUevent events[MAX_DEPTH];
+    CUstream stream[MAX_STREAMS];
+    CUevent events[MAX_STREAMS][MAX_DEPTH];
+    uint64_t launched[MAX_STREAMS], done[MAX_STREAMS];
 };
 
 static int gpu_init(const struct options *o, struct gpu *g)
@@ -143,30 +159,101 @@ static int gpu_init(const struct options *o, struct gpu *g)
     if (check(cuInit(0), "cuInit") || check(cuDeviceGet(&dev, o->device), "cuDeviceGet") ||
         check(cuCtxCreate(&ctx, CU_CTX_SCHED_BLOCKING_SYNC, dev), "cuCtxCreate") ||
         check(cuModuleLoadData(&mod, ptx), "cuModuleLoadData") ||
-        check(cuModuleGetFunction(&g->fn, mod, name), "cuModuleGetFunction") ||
-        check(cuStreamCreate(&g->stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
+        check(cuModuleGetFunction(&g->fn, mod, name), "cuModuleGetFunction"))
         return 1;
-    for (int i = 0; i < o->depth; i++) {
-        if (check(cuEventCreate(&g->events[i], CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC),
-                  "cuEventCreate"))
+    for (int s = 0; s < o->streams; s++) {
+        g->launched[s] = g->done[s] = 0;
+        if (check(cuStreamCreate(&g->stream[s], CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
             return 1;
+        for (int i = 0; i < o->depth; i++) {
+            if (check(cuEventCreate(&g->events[s][i],
+                                    CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC),
+                      "cuEventCreate"))
+                return 1;
+        }
     }
     return 0;
 }
 
-/* Wait for launch `k` to complete and count it; 0, or 1 when the wait failed. */
-static int complete(const struct options *o, struct gpu *g, struct tally *t, int me,
-                    uint64_t k, int64_t end_ns, size_t nbuckets)
+/* Count n kernels completed at `now` (if inside the run). */
+static void tally_add(const struct options *o, struct tally *t, int me, int64_t now,
+                      int64_t end_ns, size_t nbuckets, unsigned n)
 {
-    if (check(cuEventSynchronize(g->events[k % (uint64_t)o->depth]), "cuEventSynchronize"))
-        return 1;
-    int64_t now = now_ns();
     if (now < t->t0_ns || now >= end_ns)
-        return 0;
+        return;
     size_t bucket = (size_t)((now - t->t0_ns) / ((int64_t)o->bucket_ms * 1000000));
     if (bucket < nbuckets) {
-        __atomic_add_fetch(&t->buckets[bucket], 1, __ATOMIC_RELAXED);
-        t->per_proc[me]++;
+        __atomic_add_fetch(&t->buckets[bucket], n, __ATOMIC_RELAXED);
+        t->per_proc[me] += n;
+    }
+}
+
+/* Wait for the oldest outstanding launch of stream s and count it; 0, or 1
+ * when the wait failed. */
+static int complete(const struct options *o, struct gpu *g, struct tally *t, int me, int s,
+                    int64_t end_ns, size_t nbuckets)
+{
+    uint64_t k = g->done[s]++;
+    if (check(cuEventSynchronize(g->events[s][k % (uint64_t)o->depth]), "cuEventSynchronize"))
+        return 1;
+    tally_add(o, t, me, now_ns(), end_ns, nbuckets, 1);
+    return 0;
+}
+
+/* Kernels back to back, --depth outstanding on each stream in turn. */
+static int busy_loop(const struct options *o, struct gpu *g, struct tally *t, int me,
+                     int64_t end_ns, size_t nbuckets)
+{
+    for (int s = 0; !stop && now_ns() < end_ns; s = (s + 1) % o->streams) {
+        if (g->launched[s] - g->done[s] == (uint64_t)o->depth &&
+            complete(o, g, t, me, s, end_ns, nbuckets))
+            return 1;
+        if (check(cuLaunchKernel(g->fn, 1, 1, 1, 1, 1, 1, 0, g->stream[s], NULL, NULL),
+                  "cuLaunchKernel") ||
+            check(cuEventRecord(g->events[s][g->launched[s] % (uint64_t)o->depth],
+                                g->stream[s]),
+                  "cuEventRecord"))
+            return 1;
+        g->launched[s]++;
+    }
+    for (int s = 0; s < o->streams; s++) {
+        while (g->done[s] < g->launched[s]) {
+            if (complete(o, g, t, me, s, end_ns, nbuckets))
+                return 1;
+        }
+    }
+    return 0;
+}
+
+/* A request of --depth kernels every --request-ms, each timed to its synchronize. */
+static int request_loop(const struct options *o, struct gpu *g, struct tally *t, int me,
+                        int64_t end_ns, size_t nbuckets)
+{
+    const int64_t every = (int64_t)o->request_ms * 1000000;
+    int64_t next = t->t0_ns + (int64_t)o->phase_ms * 1000000 + every * me / o->procs;
+    while (!stop) {
+        struct timespec ts = {.tv_sec = next / NS, .tv_nsec = next % NS};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR && !stop)
+            ;
+        int64_t start = now_ns();
+        if (stop || start >= end_ns)
+            break;
+        for (int i = 0; i < o->depth; i++) {
+            if (check(cuLaunchKernel(g->fn, 1, 1, 1, 1, 1, 1, 0, g->stream[0], NULL, NULL),
+                      "cuLaunchKernel"))
+                return 1;
+        }
+        if (check(cuStreamSynchronize(g->stream[0]), "cuStreamSynchronize"))
+            return 1;
+        int64_t end = now_ns();
+        tally_add(o, t, me, end, end_ns, nbuckets, (unsigned)o->depth);
+        uint32_t n = t->requests[me];
+        if (end < end_ns && n < t->max_requests) {
+            t->latency_us[(size_t)me * t->max_requests + n] = (uint32_t)((end - start) / 1000);
+            t->requests[me] = n + 1;
+        }
+        while (next <= end) /* a late request makes the missed ones wait for the next tick */
+            next += every;
     }
     return 0;
 }
@@ -175,7 +262,7 @@ static int complete(const struct options *o, struct gpu *g, struct tally *t, int
 static int worker(const struct options *o, struct tally *t, size_t nbuckets, int me,
                   int ready_fd, int go_fd)
 {
-    struct gpu g;
+    static struct gpu g; /* 64 streams of events: not on the stack */
     if (gpu_init(o, &g))
         return 1;
     char byte = 'r';
@@ -192,25 +279,8 @@ static int worker(const struct options *o, struct tally *t, size_t nbuckets, int
             return 1;
     }
     int64_t end_ns = t->t0_ns + (int64_t)(o->seconds * NS);
-    uint64_t launched = 0, done = 0;
-    while (!stop && now_ns() < end_ns) {
-        if (launched - done == (uint64_t)o->depth) {
-            if (complete(o, &g, t, me, done++, end_ns, nbuckets))
-                return 1;
-            continue;
-        }
-        if (check(cuLaunchKernel(g.fn, 1, 1, 1, 1, 1, 1, 0, g.stream, NULL, NULL),
-                  "cuLaunchKernel") ||
-            check(cuEventRecord(g.events[launched % (uint64_t)o->depth], g.stream),
-                  "cuEventRecord"))
-            return 1;
-        launched++;
-    }
-    while (done < launched) {
-        if (complete(o, &g, t, me, done++, end_ns, nbuckets))
-            return 1;
-    }
-    return 0;
+    return o->request_ms > 0 ? request_loop(o, &g, t, me, end_ns, nbuckets)
+                             : busy_loop(o, &g, t, me, end_ns, nbuckets);
 }
 
 /* Wait until every process said ready; 0, or 1 when one died first. */
@@ -270,6 +340,13 @@ static void report(const struct options *o, const struct tally *t, size_t nbucke
     printf("\nbuckets");
     for (size_t b = 0; b < nbuckets; b++)
         printf(" %" PRIu32, t->buckets[b]);
+    if (o->request_ms > 0) {
+        printf("\nlatency_us");
+        for (int i = 0; i < o->procs; i++) {
+            for (uint32_t n = 0; n < t->requests[i]; n++)
+                printf(" %" PRIu32, t->latency_us[(size_t)i * t->max_requests + n]);
+        }
+    }
     printf("\n");
     fflush(stdout);
 }
@@ -277,13 +354,14 @@ static void report(const struct options *o, const struct tally *t, size_t nbucke
 static int usage(void)
 {
     fprintf(stderr, "usage: sharework --us US --seconds S [--procs P] [--depth N] "
-                    "[--bucket-ms MS] [--device N] [--go-stdin]\n");
+                    "[--streams N] [--request-ms MS] [--phase-ms MS] [--bucket-ms MS] [--device N] "
+                    "[--go-stdin]\n");
     return 2;
 }
 
 static int parse(int argc, char **argv, struct options *o)
 {
-    *o = (struct options){.procs = 1, .depth = 2, .bucket_ms = 10};
+    *o = (struct options){.procs = 1, .depth = 2, .streams = 1, .bucket_ms = 10};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--go-stdin") == 0)
@@ -296,6 +374,12 @@ static int parse(int argc, char **argv, struct options *o)
             o->procs = atoi(v), i++;
         else if (v && strcmp(a, "--depth") == 0)
             o->depth = atoi(v), i++;
+        else if (v && strcmp(a, "--streams") == 0)
+            o->streams = atoi(v), i++;
+        else if (v && strcmp(a, "--request-ms") == 0)
+            o->request_ms = atoi(v), i++;
+        else if (v && strcmp(a, "--phase-ms") == 0)
+            o->phase_ms = atoi(v), i++;
         else if (v && strcmp(a, "--bucket-ms") == 0)
             o->bucket_ms = atoi(v), i++;
         else if (v && strcmp(a, "--device") == 0)
@@ -304,7 +388,8 @@ static int parse(int argc, char **argv, struct options *o)
             return -1;
     }
     if (o->seconds <= 0 || o->seconds > 86400 || o->procs < 1 || o->procs > MAX_PROCS ||
-        o->depth < 1 || o->depth > MAX_DEPTH || o->bucket_ms < 1 || o->device < 0)
+        o->depth < 1 || o->depth > MAX_DEPTH || o->streams < 1 || o->streams > MAX_STREAMS ||
+        o->request_ms < 0 || o->phase_ms < 0 || o->bucket_ms < 1 || o->device < 0)
         return -1;
     return 0;
 }
@@ -315,13 +400,19 @@ int main(int argc, char **argv)
     if (parse(argc, argv, &o) != 0)
         return usage();
     size_t nbuckets = (size_t)(o.seconds * 1000 / o.bucket_ms) + 1;
+    size_t max_requests = o.request_ms > 0 ? (size_t)(o.seconds * 1000 / o.request_ms) + 1 : 0;
     size_t size = sizeof(struct tally) + nbuckets * sizeof(uint32_t);
+    size_t lat_size = (size_t)o.procs * max_requests * sizeof(uint32_t) + 1;
     struct tally *t = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    uint32_t *lat = mmap(NULL, lat_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1,
+                         0);
     int ready_pipe[2], go_pipe[2];
-    if (t == MAP_FAILED || pipe(ready_pipe) != 0 || pipe(go_pipe) != 0) {
+    if (t == MAP_FAILED || lat == MAP_FAILED || pipe(ready_pipe) != 0 || pipe(go_pipe) != 0) {
         perror("sharework");
         return 1;
     }
+    t->latency_us = lat;
+    t->max_requests = max_requests;
     struct sigaction sa = {.sa_handler = on_term}; /* no SA_RESTART: waits return EINTR */
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);

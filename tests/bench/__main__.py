@@ -11,7 +11,9 @@ again under SIMGPU_SCHED=fifo:
 - switch: both containers' total throughput against one container alone;
 - caps: a lone container under policy 0 (max_inst 4) and policy 3 (weight
   3 of 8), against its solo throughput;
-- p1: policy 1, two containers 1:1.
+- p1: policy 1, two containers 1:1;
+- latency: an interactive container's request latency beside busy
+  neighbours, under no scheduler and policies 1, 2 and 4 (`latency`).
 
 Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu) and
 what libcgpu adds to launches and allocations (libcgpu).
@@ -30,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tests.bench import libcgpu_bench
+from tests.bench import latency, libcgpu_bench
 from tests.bench.shares import (
     STEADY_AFTER,
     Report,
@@ -50,7 +52,7 @@ ENGINES: tuple[tuple[str, str | None], ...] = (
     ("default engine (SIMGPU_SCHED unset)", None),
     ("SIMGPU_SCHED=fifo", "fifo"),
 )
-PARTS = ("shares", "switch", "caps", "p1", "cpu", "libcgpu")
+PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu")
 # Targets: |error| of the 1:2 ratio, and what switching and caps must keep.
 WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET = 0.05, 0.02, 0.08
 SWITCH_TARGET = 0.95
@@ -188,6 +190,36 @@ def policy_one(engine: Engine) -> None:
     print()
 
 
+def latency_table(base: Path, root: Path, quick: bool, slice_s: float | None) -> None:
+    """Every row of `latency.ROWS` under each scheduler of `latency.COLUMNS`, default engine."""
+    seconds = 2.0 if quick else 3.0
+    host = SimHost(base / "latency", root, gpus=8, env={"SIMGPU_SCHED": None})
+    engine = Engine(host, seconds=seconds)
+    slice_note = "default slice" if slice_s is None else f"slice {slice_s * 1000:g} ms"
+    print(f"Latency: an interactive container sends a request of 2 x 1 ms kernels every "
+          f"{latency.REQUEST_MS} ms, each timed from its first launch to the end of its "
+          f"synchronize; {seconds:g} s per case, default engine, daemon period "
+          f"{PERIOD * 1000:g} ms, {slice_note}. none = policy 5 (every gate open: simgpu's "
+          f"time slicing); x = against none; int/nbrs = GPU time completed by the "
+          f"interactive containers / the neighbours")
+    print_head(latency.HEAD)
+    worst = 0.0
+    try:
+        host.start_daemon(PERIOD, *(() if slice_s is None else ("--slice", str(slice_s))))
+        for row in latency.ROWS:
+            got = {column: latency.result(row, engine.run(policy, row.workloads()), seconds)
+                   for column, policy in latency.COLUMNS}
+            none = got["none"]
+            for column, _policy in latency.COLUMNS:
+                print(latency.line(row, column, got[column], none), flush=True)
+                if column != "none":
+                    worst = max(worst, latency.ratio(got[column].p99, none.p99))
+    finally:
+        host.close()
+    print(f"worst p99 against none under policies 1, 2, 4: {worst:.2f}x (target: at most "
+          f"{latency.P99_TARGET:g}x) {verdict(worst <= latency.P99_TARGET)}\n")
+
+
 def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool,
                  slice_s: float | None) -> None:
     procs_list = (1, 8) if quick else PROCS
@@ -274,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(p in parts for p in ("shares", "switch", "caps", "p1")):
         simulated.append(lambda base, root: engine_parts(base, root, parts, args.quick,
                                                              args.slice))
+    if "latency" in parts:
+        simulated.append(lambda base, root: latency_table(base, root, args.quick, args.slice))
     if "cpu" in parts:
         simulated.append(lambda base, root: daemon_cpu(base, root, args.quick))
     if simulated and why is not None:

@@ -41,6 +41,7 @@ class Report:
     bucket: float
     buckets: tuple[int, ...]
     per_proc: tuple[int, ...]
+    latency_us: tuple[int, ...] = ()  # each request's, in request mode
 
     @property
     def kernels(self) -> int:
@@ -48,9 +49,11 @@ class Report:
 
 
 def parse_report(text: str) -> Report:
-    """The `counts` and `buckets` lines of sharework's output (other lines are ignored)."""
+    """The `counts`, `buckets` and `latency_us` lines of sharework's output (other lines
+    are ignored)."""
     fields: dict[str, str] = {}
     buckets: tuple[int, ...] | None = None
+    latency: tuple[int, ...] = ()
     for line in text.splitlines():
         words = line.split()
         if words[:1] == ["counts"]:
@@ -59,13 +62,15 @@ def parse_report(text: str) -> Report:
                 fields[key] = value
         elif words[:1] == ["buckets"]:
             buckets = tuple(int(word) for word in words[1:])
+        elif words[:1] == ["latency_us"]:
+            latency = tuple(int(word) for word in words[1:])
     if not fields or buckets is None:
         raise ValueError(f"no counts in workload output: {text[-500:]!r}")
     per_proc = tuple(int(n) for n in fields["per_proc"].split(","))
     if sum(per_proc) != sum(buckets) or int(fields["kernels"]) != sum(buckets):
         raise ValueError(f"inconsistent counts: {fields}")
     return Report(t0=float(fields["t0"]), bucket=int(fields["bucket_ms"]) / 1000,
-                  buckets=buckets, per_proc=per_proc)
+                  buckets=buckets, per_proc=per_proc, latency_us=latency)
 
 
 def _index(report: Report, t: float) -> int:
@@ -162,6 +167,9 @@ class Workload:
     highprio: bool = False
     util_limit: int | None = None
     depth: int = 2
+    streams: int = 1
+    request_ms: int = 0  # > 0: a request of `depth` kernels every this many ms per process
+    phase_ms: int = 0  # the first request's offset from the start
 
 
 class Job:
@@ -172,6 +180,8 @@ class Job:
         self.workload = workload
         command = [str(SHAREWORK), "--us", str(workload.us), "--seconds", str(seconds),
                    "--procs", str(workload.procs), "--depth", str(workload.depth),
+                   "--streams", str(workload.streams), "--request-ms",
+                   str(workload.request_ms), "--phase-ms", str(workload.phase_ms),
                    "--go-stdin"]
         self.process = host.cgpu_run(
             workload.name, command, gpu=workload.gpu, weight=workload.weight,

@@ -9,6 +9,14 @@ process's queue has emptied after a close (what libcgpu's watcher reports),
 or answers (the doorbell) and at the time its decision names, each
 `step_delay` late. Shares are counted in completed kernels per container:
 the model's own count, never the scheduler's figures.
+
+A process with `every` > 0 serves requests instead of launching back to
+back: at `next_request`, then every `every` after it (a late request skips
+the times it missed), it wants to launch `depth` kernels, and the request
+ends when the last of them completes; `requests` records, for each
+one, when it began and ended and how many kernels every process had
+completed at those two times (`completed_at`), so that a test can count
+what ran before it without a clock.
 """
 
 from __future__ import annotations
@@ -33,6 +41,24 @@ class Proc:
     answered_seq: int = 0
     drained_at: float = 0.0
     empty_since: float | None = None
+    every: float = 0.0  # > 0: a request of `depth` kernels this often
+    next_request: float = 0.0
+    to_launch: int = 0  # of the request under way
+    requests: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    """One request of a serving process: from its start to its last kernel's end."""
+
+    start: float
+    started_with: dict[int, int]  # each process's (by index) completed kernels at start
+    end: float | None = None
+    ended_with: dict[int, int] = field(default_factory=dict)
+
+    def ran_meanwhile(self, index: int) -> int:
+        """Kernels process `index` completed while this request was under way."""
+        return self.ended_with[index] - self.started_with[index]
 
 
 def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
@@ -56,10 +82,27 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
     by_name: dict[str, list[Proc]] = {name: [p for p in procs if p.container == name]
                                       for name in names}
     t = 0.0
+
+    def completed() -> dict[int, int]:
+        return {i: p.completed for i, p in enumerate(procs)}
+
     while t < duration:
-        # processes launch while their gate is open
+        # requests begin; processes launch while their gate is open
         for p in procs:
-            if p.container in open_ and demand(t, p.container):
+            if p.every > 0 and p.to_launch == 0 and not p.queue and (
+                    not p.requests or p.requests[-1].end is not None) and (
+                    t >= p.next_request):
+                p.requests.append(Request(t, completed()))
+                p.to_launch = p.depth
+                while p.next_request <= t:
+                    p.next_request += p.every
+            if p.container not in open_:
+                continue
+            if p.every > 0:
+                p.queue += [p.kernel] * p.to_launch
+                p.launches += p.to_launch
+                p.to_launch = 0
+            elif demand(t, p.container):
                 while len(p.queue) < p.depth:
                     p.queue.append(p.kernel)
                     p.launches += 1
@@ -79,6 +122,9 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
             if running.queue[0] <= 1e-12:
                 running.queue.pop(0)
                 running.completed += 1
+                if running.every > 0 and not running.queue and not running.to_launch:
+                    request = running.requests[-1]
+                    request.end, request.ended_with = t + dt, completed()
         t += dt
         # drain answers: a process answers once its queue is empty after a close
         rang = False
@@ -93,7 +139,9 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                 p.answered_seq, p.drained_at = seq, p.empty_since
                 rang = True
         for name, mine in by_name.items():
-            waiting = (demand(t, name) and name not in open_) or any(p.queue for p in mine)
+            wants = any(p.to_launch for p in mine) or (
+                demand(t, name) and any(p.every == 0 for p in mine))
+            waiting = (wants and name not in open_) or any(p.queue for p in mine)
             if waiting and not was_waiting[name]:
                 rang = True
             was_waiting[name] = waiting

@@ -163,20 +163,24 @@ def test_highprio_takes_prio_ratio_and_preempts() -> None:
     assert got["lo"] == pytest.approx(0.30, abs=0.02), got
 
 
-def test_highprio_waits_no_longer_than_a_drain() -> None:
-    """A waiting high-priority container ends the holder's slice at once."""
+def test_highprio_waits_for_no_drain() -> None:
+    """A high-priority container that starts waiting takes the GPU at once; the holder
+    drains meanwhile, and the two pay half each of the time they shared."""
     config = GpuConfig(policy=Policy.PREEMPTIVE, prio_ratio=80,
                        containers={"hi": W(1, highprio=True), "lo": W(1)})
     scheduler = SliceScheduler(config, quantum=0.5)
     first = scheduler.step(0.0, {"lo": Observation(waiting=True)})
     assert first.open == {"lo"}
-    closed = scheduler.step(0.01, {"lo": Observation(waiting=True, launches=5),
-                                   "hi": Observation(waiting=True)})
-    assert closed.open == frozenset(), "the low-priority slice ends before its quantum"
-    drained = scheduler.step(0.012, {"lo": Observation(waiting=True, launches=5, answered=True,
-                                                       drained_at=0.011),
-                                     "hi": Observation(waiting=True)})
-    assert drained.open == {"hi"}
+    taken = scheduler.step(0.01, {"lo": Observation(waiting=True, launches=5),
+                                  "hi": Observation(waiting=True)})
+    assert taken.open == {"hi"}, "the low-priority slice ends before its quantum"
+    assert scheduler.late == {"lo"}
+    scheduler.step(0.03, {"lo": Observation(waiting=True, launches=5, answered=True),
+                          "hi": Observation(waiting=True, launches=1)})
+    assert scheduler.late == frozenset()
+    # 20 ms shared: half of it each
+    assert scheduler.used()["lo"] == pytest.approx(0.02)
+    assert scheduler.used()["hi"] == pytest.approx(0.01)
 
 
 def test_native_opens_every_gate_and_caps_by_duty_cycle() -> None:
@@ -239,23 +243,25 @@ def test_a_cut_holder_is_not_granted_again_until_it_answers() -> None:
     much it is owed, it waits until it answers, and is charged until then."""
     config = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(1)})
     scheduler = SliceScheduler(config, quantum=0.02, drain_timeout=0.1)
-    assert scheduler.step(0.0, {"a": Observation(waiting=True)}).holder == "a"
+    waiting = Observation(waiting=True)
+    holder = scheduler.step(0.0, {"a": waiting, "b": waiting}).holder
+    assert holder is not None
+    other = ({"a", "b"} - {holder}).pop()
     silent = Observation(waiting=True, answered=False)
-    b = Observation(waiting=True)
-    closed = scheduler.step(0.02, {"a": silent, "b": b})
+    closed = scheduler.step(0.02, {holder: silent, other: waiting})
     assert closed.open == frozenset()
     t = closed.wake_at
     assert t == pytest.approx(0.12)
-    assert scheduler.step(t, {"a": silent, "b": b}).open == {"b"}
-    assert scheduler.late == {"a"}
-    for _ in range(40):  # b's slices end; a waits and is owed the most, but is late
+    assert scheduler.step(t, {holder: silent, other: waiting}).open == {other}
+    assert scheduler.late == {holder}
+    for _ in range(40):  # the other's slices end; the late one is owed the most, but waits
         t += 0.02
-        assert "a" not in scheduler.step(t, {"a": silent, "b": b}).open
-    assert scheduler.used()["a"] == pytest.approx(0.12)
+        assert holder not in scheduler.step(t, {holder: silent, other: waiting}).open
+    assert scheduler.used()[holder] == pytest.approx(0.12)
     t += 0.01
-    scheduler.step(t, {"a": Observation(waiting=True, answered=True), "b": b})
+    scheduler.step(t, {holder: Observation(waiting=True, answered=True), other: waiting})
     assert scheduler.late == frozenset()
-    assert scheduler.used()["a"] == pytest.approx(t), "charged from its grant until it answered"
+    assert scheduler.used()[holder] == pytest.approx(t), "charged from its grant until it answered"
 
 
 def drain_allowed(scheduler: SliceScheduler, t: float, answers: bool) -> float:

@@ -1,0 +1,95 @@
+"""A container that wakes owed time gets the GPU at once, whatever its neighbour queued.
+
+In simulated time against the time-slicing GPU model (`slice_model`): an
+interactive container sends a request of 2 x 1 ms kernels every 20 ms
+beside a neighbour with long kernels. Every assertion counts kernels or
+steps; none reads a clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cgpu_km.daemon.sched import ContainerSpec, GpuConfig, Observation, Policy, SliceScheduler
+from tests.sched.slice_model import Proc, kernels, run
+
+W = ContainerSpec
+NEIGHBOURS = {
+    # 64 streams of 20 ms kernels, 2 deep: 128 kernels queued in its process
+    "64 streams of 20 ms": lambda: Proc("nb", 0.02, depth=128),
+    "single 50 ms": lambda: Proc("nb", 0.05, depth=1),
+}
+
+
+def interactive() -> Proc:
+    # first request 5 ms in: the neighbour holds the GPU when it comes
+    return Proc("int", 0.001, depth=2, every=0.02, next_request=0.005)
+
+
+@pytest.mark.parametrize("policy", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("neighbour", sorted(NEIGHBOURS))
+def test_a_request_waits_for_at_most_one_of_a_neighbours_kernels(policy: int,
+                                                                  neighbour: str) -> None:
+    config = GpuConfig(policy=Policy(policy), max_inst=2,
+                       containers={"int": W(1), "nb": W(1)})
+    nb, req = NEIGHBOURS[neighbour](), interactive()
+    run(SliceScheduler(config), [nb, req], 3.0)
+    done = [r for r in req.requests if r.end is not None]
+    assert len(done) >= 145, "every request is served"
+    # While a request was under way the neighbour finished at most the kernel it was
+    # running: the request did not wait behind its queue.
+    assert max(r.ran_meanwhile(0) for r in done) <= 1
+
+
+@pytest.mark.parametrize("policy", [1, 2, 4])
+def test_waking_keeps_the_neighbours_share(policy: int) -> None:
+    """Taking the GPU at once costs the neighbour nothing of what the policy gives it:
+    under 1 and 4 it gets what the interactive container leaves, under 2 its half."""
+    config = GpuConfig(policy=Policy(policy), containers={"int": W(1), "nb": W(1)})
+    procs = [Proc("nb", 0.001, depth=4), interactive()]
+    got = kernels(run(SliceScheduler(config), procs, 4.0), procs)
+    assert got["int"] / 4.0 == pytest.approx(0.1, abs=0.005), got
+    want = 0.5 if policy == 2 else 0.9
+    assert got["nb"] / 4.0 == pytest.approx(want, abs=0.03), got
+
+
+def test_a_waking_container_is_granted_at_the_step_that_sees_it() -> None:
+    config = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(1)})
+    scheduler = SliceScheduler(config, quantum=0.02)
+    assert scheduler.step(0.0, {"a": Observation(waiting=True)}).holder == "a"
+    busy = Observation(waiting=True, launches=3)
+    taken = scheduler.step(0.005, {"a": busy, "b": Observation(waiting=True)})
+    assert taken.open == {"b"}, "no wait for a's slice, nor for its drain"
+    assert scheduler.late == {"a"}
+    scheduler.step(0.009, {"a": Observation(waiting=True, launches=3, answered=True),
+                           "b": Observation(waiting=True, launches=2)})
+    # a paid from its grant until its answer, less half of the 4 ms the two shared,
+    # which b paid
+    assert scheduler.used()["a"] == pytest.approx(0.007)
+    assert scheduler.used()["b"] == pytest.approx(0.002)
+
+
+def test_a_container_waiting_on_past_its_turn_is_not_waking() -> None:
+    """A busy container whose turn ended waits on at the gate: however much credit it
+    gathers meanwhile, it waits for the holder's slice to end."""
+    config = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(1)})
+    scheduler = SliceScheduler(config, quantum=0.02)
+    both = {"a": Observation(waiting=True), "b": Observation(waiting=True)}
+    first = scheduler.step(0.0, both).holder
+    assert first is not None
+    second = ({"a", "b"} - {first}).pop()
+    for k in range(1, 20):  # the first holder's slice: the other, passed over, waits
+        t = k * 0.001
+        decision = scheduler.step(t, {first: Observation(waiting=True, launches=k),
+                                      second: Observation(waiting=True)})
+        assert decision.open == {first}
+
+
+def test_a_container_owing_time_does_not_wake_into_the_gpu() -> None:
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(1)})
+    scheduler = SliceScheduler(config, quantum=0.02)
+    scheduler.restore({"accounts": {"b": {"credit": -0.05, "cap_credit": 0.0, "used": 0.0}}})
+    assert scheduler.step(0.0, {"a": Observation(waiting=True)}).holder == "a"
+    decision = scheduler.step(0.005, {"a": Observation(waiting=True, launches=3),
+                                      "b": Observation(waiting=True)})
+    assert decision.open == {"a"}, "b owes time: it waits its turn"
