@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import trio
 
 from cgpu_km.daemon import snapshot as snap
-from cgpu_km.daemon.context import Blocking, Settings, Worker
+from cgpu_km.daemon.context import Blocking, Limits, Settings, Worker
 from cgpu_km.daemon.edges import Plane, Tree
 from cgpu_km.daemon.lifecycle import Lifecycle
 from cgpu_km.daemon.memory import MemoryService
@@ -74,10 +75,11 @@ class Daemon:
 
         self.lifecycle = Lifecycle(self.notifier, worker("lifecycle"), restart=restart,
                                    save_state=self._save_state)
-        self.sync = TreeSync(tree, plane, self.settings, worker("tree"),
+        limits_out, limits_in = trio.open_memory_channel[Limits](math.inf)
+        self.sync = TreeSync(tree, plane, self.settings, worker("tree"), limits=limits_out,
                              on_upgrade=self.lifecycle.upgrade)
         self.memory = MemoryService(
-            tree, plane, self.sync, self.settings, worker=worker("memory"),
+            tree, plane, limits_in, self.settings, worker=worker("memory"),
             feed_worker=worker("meminfo"),
             # Each stop has a deadline of its own (stop_deadline), in its own task.
             stop_workers=Worker("stop", blocking, threads=STOP_THREADS))

@@ -18,9 +18,9 @@ from typing import Any
 
 import trio
 
-from cgpu_km.daemon.context import DaemonView, Settings, Ticks, Worker
+from cgpu_km.daemon.context import DaemonView, Limits, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane, QuickView, Tree, Watcher
-from cgpu_km.daemon.sched import ContainerSpec
+from cgpu_km.daemon.sched import ContainerSpec, Policy
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -29,7 +29,11 @@ class TreeSync:
     """The view of the tree, kept current, and what the data plane was told of it."""
 
     def __init__(self, tree: Tree, plane: Plane, settings: Settings, worker: Worker, *,
+                 limits: trio.MemorySendChannel[Limits],
                  on_upgrade: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`limits` gets a `Limits` whenever the memory limits or the managed GPUs
+        change; it must never block (an unbounded channel: changes are rare, and
+        a memory service stuck on NVML must not hold up the tree)."""
         self.tree = tree
         self.plane = plane
         self.settings = settings
@@ -41,13 +45,9 @@ class TreeSync:
         self.scheduled: set[int] = set()  # GPUs whose dispatcher was configured
         self.limits: dict[Key, int] = {}  # memsize as last given to the regions
         self.saved: dict[str, Any] = {}  # the previous daemon's scheduler state, per GPU
-        self._lowered: set[Key] = set()
+        self._limits_out = limits
+        self._sent = Limits(memsize={})
         self._error: str | None = None
-
-    def take_lowered(self) -> set[Key]:
-        """The containers whose limit was lowered since the last call."""
-        lowered, self._lowered = self._lowered, set()
-        return lowered
 
     async def read_all(self) -> None:
         """Every node of the tree (start, SIGHUP, and the slow safety sweep)."""
@@ -156,15 +156,24 @@ class TreeSync:
             saved = self.saved.get(str(index)) if index not in self.scheduled else None
             self.plane.schedule(index, self.view.config(index), saved)
             self.scheduled.add(index)
+        lowered = set()
         for key, memsize in self.view.memsize.items():
             before = self.limits.get(key)
             if before != memsize:
                 if before is not None and (before == 0 or 0 < memsize < before):
-                    self._lowered.add(key)
+                    lowered.add(key)
                 self.plane.set_limit(key, memsize)
                 self.limits[key] = memsize
         for key in set(self.limits) - set(self.view.memsize):
             del self.limits[key]
+        self._send_limits(frozenset(lowered))
+
+    def _send_limits(self, lowered: frozenset[Key]) -> None:
+        managed = frozenset(g for g, nodes in self.view.nodes.items()
+                            if nodes.policy != Policy.NATIVE)
+        if lowered or managed != self._sent.managed or self.limits != self._sent.memsize:
+            self._sent = Limits(memsize=dict(self.limits), managed=managed, lowered=lowered)
+            self._limits_out.send_nowait(self._sent)
 
     async def _poll(self) -> None:
         quick = await self.worker(self.tree.read_quick)
