@@ -77,7 +77,7 @@ class Daemon:
                                    save_state=self._save_state)
         limits_out, limits_in = trio.open_memory_channel[Limits](math.inf)
         self.sync = TreeSync(tree, plane, self.settings, worker("tree"), limits=limits_out,
-                             on_upgrade=self.lifecycle.upgrade)
+                             restored=self.state_file.load(), on_upgrade=self.lifecycle.upgrade)
         self.memory = MemoryService(
             tree, plane, limits_in, self.settings, worker=worker("memory"),
             feed_worker=worker("meminfo"),
@@ -94,7 +94,6 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every service, report READY, and run until cancelled; fail open on the way out."""
-        self.sync.saved = self.state_file.load()
         try:
             async with trio.open_nursery() as services:
                 await services.start(self.sync.serve)

@@ -11,7 +11,7 @@ the tree goes into the container's region at once (live memory limits).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -30,10 +30,13 @@ class TreeSync:
 
     def __init__(self, tree: Tree, plane: Plane, settings: Settings, worker: Worker, *,
                  limits: trio.MemorySendChannel[Limits],
+                 restored: Mapping[str, Any] | None = None,
                  on_upgrade: Callable[[], Awaitable[None]] | None = None) -> None:
-        """`limits` gets a `Limits` whenever the memory limits or the managed GPUs
-        change; it must never block (an unbounded channel: changes are rare, and
-        a memory service stuck on NVML must not hold up the tree)."""
+        """`restored`: the previous daemon's scheduler state by GPU, which each
+        GPU's dispatcher starts from when it is first scheduled. `limits` gets a
+        `Limits` whenever the memory limits or the managed GPUs change; it must
+        never block (an unbounded channel: changes are rare, and a memory
+        service stuck on NVML must not hold up the tree)."""
         self.tree = tree
         self.plane = plane
         self.settings = settings
@@ -44,7 +47,7 @@ class TreeSync:
         self.watcher: Watcher | None = None
         self.scheduled: set[int] = set()  # GPUs whose dispatcher was configured
         self.limits: dict[Key, int] = {}  # memsize as last given to the regions
-        self.saved: dict[str, Any] = {}  # the previous daemon's scheduler state, per GPU
+        self.restored: Mapping[str, Any] = restored or {}
         self._limits_out = limits
         self._sent = Limits(memsize={})
         self._error: str | None = None
@@ -153,8 +156,8 @@ class TreeSync:
             self.plane.forget_gpu(index)
         self.scheduled &= set(self.view.nodes)
         for index in self.view.nodes:
-            saved = self.saved.get(str(index)) if index not in self.scheduled else None
-            self.plane.schedule(index, self.view.config(index), saved)
+            state = self.restored.get(str(index)) if index not in self.scheduled else None
+            self.plane.schedule(index, self.view.config(index), state)
             self.scheduled.add(index)
         lowered = set()
         for key, memsize in self.view.memsize.items():
