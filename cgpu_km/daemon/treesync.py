@@ -3,9 +3,11 @@ pushes it into the data plane.
 
 inotify says which nodes were written, so `echo 2 > <root>/0/policy` acts
 within one period; a slow poll (`tree_refresh`, `full_refresh`) is the safety
-net, and without inotify the GPU nodes are polled every period. A new
-container's region is attached when the tree lists it; a `memsize` written in
-the tree goes into the container's region at once (live memory limits).
+net, and without inotify the GPU nodes are polled every period. The regions
+are attached here and nowhere else: a new container's when the tree lists it,
+and every period those of listed containers that had none (the hook and
+cgpu-run register before they create the region); a `memsize` written in the
+tree goes into the container's region at once (live memory limits).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ class TreeSync:
     """The view of the tree, kept current, and what the data plane was told of it."""
 
     def __init__(self, tree: Tree, plane: Plane, settings: Settings, worker: Worker, *,
-                 limits: trio.MemorySendChannel[Limits],
+                 attach_worker: Worker, limits: trio.MemorySendChannel[Limits],
                  restored: Mapping[str, Any] | None = None,
                  on_upgrade: Callable[[], Awaitable[None]] | None = None) -> None:
         """`restored`: the previous daemon's scheduler state by GPU, which each
-        GPU's dispatcher starts from when it is first scheduled. `limits` gets a
+        GPU's dispatcher starts from when it is first scheduled. `attach_worker`
+        looks for missing regions, so a slow region folder never holds up the
+        tree. `limits` gets a
         `Limits` whenever the memory limits or the managed GPUs change; it must
         never block (an unbounded channel: changes are rare, and a memory
         service stuck on NVML must not hold up the tree)."""
@@ -41,6 +45,7 @@ class TreeSync:
         self.plane = plane
         self.settings = settings
         self.worker = worker
+        self.attach_worker = attach_worker
         self.on_upgrade = on_upgrade
         self.view = DaemonView()
         self.version = ""
@@ -81,6 +86,7 @@ class TreeSync:
             async with trio.open_nursery() as nursery:
                 if self.watcher is not None:
                     nursery.start_soon(self._serve_watch, self.watcher)
+                nursery.start_soon(self._serve_missing)
                 task_status.started()
                 await self._serve_polls()
         finally:
@@ -144,10 +150,24 @@ class TreeSync:
             for key in set(table) - present:
                 del table[key]
         if came_or_went or every_container:
-            await self.worker(partial(self.plane.attach, self.view.listed()))
+            await self._attach(self.worker)
             if self.watcher is not None:
                 self.watcher.sync(self.view.nodes)
         self._apply()
+
+    async def _attach(self, worker: Worker) -> None:
+        """The regions of the containers the tree lists attached, the others' let go."""
+        await worker(partial(self.plane.attach, self.view.listed()))
+
+    async def _serve_missing(self) -> None:
+        """Every period: attach the regions of listed containers that had none."""
+        async for _ in Ticks(self.settings.period):
+            try:
+                missing = await self.attach_worker(self.plane.missing)
+                if self.view.nodes and missing:
+                    await self._attach(self.attach_worker)
+            except OSError as error:
+                log.warning("cannot attach new regions: %s", error)
 
     def _apply(self) -> None:
         """Push the view into the data plane: each GPU's configuration to its
