@@ -63,6 +63,17 @@ def gpu_config(nodes: GpuNodes, specs: Mapping[str, ContainerSpec]) -> GpuConfig
     )
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the memory service needs of the tree, handed over by the tree
+    service at every change of it: each listed container's memory limit, the
+    GPUs whose processes must go through libcgpu, and the limits lowered."""
+
+    memsize: Mapping[Key, int]  # 0: the whole device
+    managed: frozenset[int] = frozenset()  # GPUs listed under policies 0-4
+    lowered: frozenset[Key] = frozenset()  # since the previous Limits
+
+
 @dataclass
 class DaemonView:
     """What the daemon knows of the tree (merged from quick polls and full reads)."""

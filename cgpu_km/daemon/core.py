@@ -1,12 +1,12 @@
 """The daemon: its services composed, each its own task with its own worker
 thread and its own schedule, so one slow service never holds up another.
 
-- tree (`treesync`): the view of the control tree, pushed into the data plane;
+- tree (`treesync`): the view of the control tree, pushed into the data
+  plane; the regions attached (new containers', and those that were missing);
 - scheduling: the data plane runs one dispatcher thread per GPU
   (`dispatch`), which hands the GPU to one container at a time in slices and
   stamps the heartbeat; the daemon only configures them;
-- regions (`regions`): new containers' regions attached, dead processes'
-  slots freed;
+- reclaim (`regions`): dead processes' slots freed;
 - memory (`memory`): meminfo fed into the tree, the backstop;
 - publishing (`publishing`): the snapshot, the state file;
 - lifecycle (`lifecycle`): systemd, signals, the hot update.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,12 +30,12 @@ from typing import Any
 import trio
 
 from cgpu_km.daemon import snapshot as snap
-from cgpu_km.daemon.context import Blocking, Settings, Worker
+from cgpu_km.daemon.context import Blocking, Limits, Settings, Worker
 from cgpu_km.daemon.edges import Plane, Tree
 from cgpu_km.daemon.lifecycle import Lifecycle
 from cgpu_km.daemon.memory import MemoryService
 from cgpu_km.daemon.publishing import Publisher, StateFile
-from cgpu_km.daemon.regions import serve_attach, serve_reclaim
+from cgpu_km.daemon.regions import serve_reclaim
 from cgpu_km.daemon.sdnotify import Notifier, watchdog_interval
 from cgpu_km.daemon.treesync import TreeSync
 from cgpu_km.gpus import GpuInfo
@@ -74,17 +75,18 @@ class Daemon:
 
         self.lifecycle = Lifecycle(self.notifier, worker("lifecycle"), restart=restart,
                                    save_state=self._save_state)
+        limits_out, limits_in = trio.open_memory_channel[Limits](math.inf)
         self.sync = TreeSync(tree, plane, self.settings, worker("tree"),
-                             on_upgrade=self.lifecycle.upgrade)
+                             attach_worker=worker("attach"), limits=limits_out,
+                             restored=self.state_file.load(), on_upgrade=self.lifecycle.upgrade)
         self.memory = MemoryService(
-            tree, plane, self.sync, self.settings, worker=worker("memory"),
+            tree, plane, limits_in, self.settings, worker=worker("memory"),
             feed_worker=worker("meminfo"),
             # Each stop has a deadline of its own (stop_deadline), in its own task.
             stop_workers=Worker("stop", blocking, threads=STOP_THREADS))
         self.publisher = Publisher(plane, self.sync, self.memory, self.state_file,
                                    self.settings, worker("publish"), gpu_info=gpu_info or {},
                                    publish=publish)
-        self._attach_worker = worker("attach")
         self._reclaim_worker = worker("reclaim")
 
     def _save_state(self) -> None:
@@ -92,13 +94,10 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every service, report READY, and run until cancelled; fail open on the way out."""
-        self.sync.saved = self.state_file.load()
         try:
             async with trio.open_nursery() as services:
                 await services.start(self.sync.serve)
                 await self.lifecycle.finish_upgrade_if_restarted(self.tree)
-                await services.start(serve_attach, self.plane, self.sync.view, self.settings,
-                                     self._attach_worker)
                 await services.start(serve_reclaim, self.plane, self.settings,
                                      self._reclaim_worker)
                 await services.start(self.memory.serve)

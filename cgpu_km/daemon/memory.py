@@ -12,10 +12,8 @@ from functools import partial
 import trio
 
 from cgpu_km.daemon.backstop import Grandfather, MemoryView, over_limit
-from cgpu_km.daemon.context import Settings, Ticks, Worker
+from cgpu_km.daemon.context import Limits, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane, Tree
-from cgpu_km.daemon.sched import Policy
-from cgpu_km.daemon.treesync import TreeSync
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -23,11 +21,14 @@ log = logging.getLogger("cgpu-daemon")
 class MemoryService:
     """GPU memory by container, every `memory_interval`, and what is done about it."""
 
-    def __init__(self, tree: Tree, plane: Plane, sync: TreeSync, settings: Settings, *,
-                 worker: Worker, feed_worker: Worker, stop_workers: Worker) -> None:
+    def __init__(self, tree: Tree, plane: Plane, limits: trio.MemoryReceiveChannel[Limits],
+                 settings: Settings, *, worker: Worker, feed_worker: Worker,
+                 stop_workers: Worker) -> None:
+        """`limits`: the tree service's `Limits`, taken at the start of every round."""
         self.tree = tree
         self.plane = plane
-        self.sync = sync
+        self.limits_in = limits
+        self.limits = Limits(memsize={})
         self.settings = settings
         self.worker = worker
         self.feed_worker = feed_worker
@@ -53,15 +54,25 @@ class MemoryService:
                     log.warning("cannot read GPU memory: %s", error)
                     continue
                 self.memory = memory
-                self._backstop(memory, stops)
+                self._backstop(memory, stops, self._take_limits())
                 self._bypass(memory, stops)
                 await self._feed_meminfo(memory)
                 self.round_done.set()
                 self.round_done = trio.Event()
 
+    def _take_limits(self) -> frozenset[Key]:
+        """The latest `Limits` the tree service sent; the limits lowered since the last call."""
+        lowered: set[Key] = set()
+        while True:
+            try:
+                self.limits = self.limits_in.receive_nowait()
+            except trio.WouldBlock:
+                return frozenset(lowered)
+            lowered |= self.limits.lowered
+
     async def _feed_meminfo(self, memory: MemoryView) -> None:
-        specs = self.sync.view.specs
-        for key in list(specs):  # the tree service may change it while we await
+        listed = self.limits.memsize
+        for key in sorted(listed):
             found = memory.by_container.get(key)
             procs = dict(found.procs) if found is not None else {}
             if self._fed.get(key) == procs:
@@ -72,17 +83,17 @@ class MemoryService:
                 log.debug("meminfo %s on GPU %d not fed: %s", key[1], key[0], error)
                 continue
             self._fed[key] = procs
-        for key in set(self._fed) - set(specs):
+        for key in set(self._fed) - set(listed):
             del self._fed[key]
 
-    def _backstop(self, memory: MemoryView, stops: trio.Nursery) -> None:
+    def _backstop(self, memory: MemoryView, stops: trio.Nursery, lowered: frozenset[Key]
+                  ) -> None:
         """Stop the largest processes of every container over its limit, each in a
         task of its own. A limit lowered below what a cGPU container holds leaves
         it what it held until its use falls under (eGPU: the operator asked for
         the OOM script and the stop)."""
-        lowered = self.sync.take_lowered()
         for key, found in memory.by_container.items():
-            limit = self.sync.view.memsize.get(key, 0)
+            limit = self.limits.memsize.get(key, 0)
             if not self.plane.egpu(key):
                 limit = self.grandfather.limit(key, limit, found.total, key in lowered)
             over = [pid for pid in over_limit(found.procs, limit)
@@ -105,8 +116,7 @@ class MemoryService:
         started is never taken for one. Under policy 5 only memory counts."""
         seen = set()
         for key, found in memory.by_container.items():
-            nodes = self.sync.view.nodes.get(key[0])
-            if nodes is None or nodes.policy == Policy.NATIVE:
+            if key[0] not in self.limits.managed:
                 continue
             stop = self.settings.stops_bypass(key[1])
             for pid in sorted(found.unmanaged):

@@ -3,24 +3,26 @@ pushes it into the data plane.
 
 inotify says which nodes were written, so `echo 2 > <root>/0/policy` acts
 within one period; a slow poll (`tree_refresh`, `full_refresh`) is the safety
-net, and without inotify the GPU nodes are polled every period. A new
-container's region is attached when the tree lists it; a `memsize` written in
-the tree goes into the container's region at once (live memory limits).
+net, and without inotify the GPU nodes are polled every period. The regions
+are attached here and nowhere else: a new container's when the tree lists it,
+and every period those of listed containers that had none (the hook and
+cgpu-run register before they create the region); a `memsize` written in the
+tree goes into the container's region at once (live memory limits).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import trio
 
-from cgpu_km.daemon.context import DaemonView, Settings, Ticks, Worker
+from cgpu_km.daemon.context import DaemonView, Limits, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane, QuickView, Tree, Watcher
-from cgpu_km.daemon.sched import ContainerSpec
+from cgpu_km.daemon.sched import ContainerSpec, Policy
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -29,25 +31,31 @@ class TreeSync:
     """The view of the tree, kept current, and what the data plane was told of it."""
 
     def __init__(self, tree: Tree, plane: Plane, settings: Settings, worker: Worker, *,
+                 attach_worker: Worker, limits: trio.MemorySendChannel[Limits],
+                 restored: Mapping[str, Any] | None = None,
                  on_upgrade: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`restored`: the previous daemon's scheduler state by GPU, which each
+        GPU's dispatcher starts from when it is first scheduled. `attach_worker`
+        looks for missing regions, so a slow region folder never holds up the
+        tree. `limits` gets a
+        `Limits` whenever the memory limits or the managed GPUs change; it must
+        never block (an unbounded channel: changes are rare, and a memory
+        service stuck on NVML must not hold up the tree)."""
         self.tree = tree
         self.plane = plane
         self.settings = settings
         self.worker = worker
+        self.attach_worker = attach_worker
         self.on_upgrade = on_upgrade
         self.view = DaemonView()
         self.version = ""
         self.watcher: Watcher | None = None
         self.scheduled: set[int] = set()  # GPUs whose dispatcher was configured
         self.limits: dict[Key, int] = {}  # memsize as last given to the regions
-        self.saved: dict[str, Any] = {}  # the previous daemon's scheduler state, per GPU
-        self._lowered: set[Key] = set()
+        self.restored: Mapping[str, Any] = restored or {}
+        self._limits_out = limits
+        self._sent = Limits(memsize={})
         self._error: str | None = None
-
-    def take_lowered(self) -> set[Key]:
-        """The containers whose limit was lowered since the last call."""
-        lowered, self._lowered = self._lowered, set()
-        return lowered
 
     async def read_all(self) -> None:
         """Every node of the tree (start, SIGHUP, and the slow safety sweep)."""
@@ -78,6 +86,7 @@ class TreeSync:
             async with trio.open_nursery() as nursery:
                 if self.watcher is not None:
                     nursery.start_soon(self._serve_watch, self.watcher)
+                nursery.start_soon(self._serve_missing)
                 task_status.started()
                 await self._serve_polls()
         finally:
@@ -141,10 +150,24 @@ class TreeSync:
             for key in set(table) - present:
                 del table[key]
         if came_or_went or every_container:
-            await self.worker(partial(self.plane.attach, self.view.listed()))
+            await self._attach(self.worker)
             if self.watcher is not None:
                 self.watcher.sync(self.view.nodes)
         self._apply()
+
+    async def _attach(self, worker: Worker) -> None:
+        """The regions of the containers the tree lists attached, the others' let go."""
+        await worker(partial(self.plane.attach, self.view.listed()))
+
+    async def _serve_missing(self) -> None:
+        """Every period: attach the regions of listed containers that had none."""
+        async for _ in Ticks(self.settings.period):
+            try:
+                missing = await self.attach_worker(self.plane.missing)
+                if self.view.nodes and missing:
+                    await self._attach(self.attach_worker)
+            except OSError as error:
+                log.warning("cannot attach new regions: %s", error)
 
     def _apply(self) -> None:
         """Push the view into the data plane: each GPU's configuration to its
@@ -153,18 +176,27 @@ class TreeSync:
             self.plane.forget_gpu(index)
         self.scheduled &= set(self.view.nodes)
         for index in self.view.nodes:
-            saved = self.saved.get(str(index)) if index not in self.scheduled else None
-            self.plane.schedule(index, self.view.config(index), saved)
+            state = self.restored.get(str(index)) if index not in self.scheduled else None
+            self.plane.schedule(index, self.view.config(index), state)
             self.scheduled.add(index)
+        lowered = set()
         for key, memsize in self.view.memsize.items():
             before = self.limits.get(key)
             if before != memsize:
                 if before is not None and (before == 0 or 0 < memsize < before):
-                    self._lowered.add(key)
+                    lowered.add(key)
                 self.plane.set_limit(key, memsize)
                 self.limits[key] = memsize
         for key in set(self.limits) - set(self.view.memsize):
             del self.limits[key]
+        self._send_limits(frozenset(lowered))
+
+    def _send_limits(self, lowered: frozenset[Key]) -> None:
+        managed = frozenset(g for g, nodes in self.view.nodes.items()
+                            if nodes.policy != Policy.NATIVE)
+        if lowered or managed != self._sent.managed or self.limits != self._sent.memsize:
+            self._sent = Limits(memsize=dict(self.limits), managed=managed, lowered=lowered)
+            self._limits_out.send_nowait(self._sent)
 
     async def _poll(self) -> None:
         quick = await self.worker(self.tree.read_quick)

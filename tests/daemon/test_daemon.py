@@ -215,7 +215,6 @@ async def test_state_survives_a_restart(
     assert set(saved["gpus"]["0"]["accounts"]) == {"a", "b"}
     again = FakePlane()
     second, _ = make_daemon(tree, again, tmp_path)
-    second.sync.saved = second.state_file.load()
     await second.sync.read_all()  # what `run` does first
     assert again.restored[0] == saved["gpus"]["0"]
 
@@ -258,7 +257,8 @@ async def test_upgrade_saves_state_reexecs_and_the_new_daemon_writes_zero(
         await nursery.start(second.run)
         assert tree.upgrade == 0
         assert UPGRADED_ENV not in os.environ
-        assert second.sync.saved == saved["gpus"]
+        assert second.sync.restored == saved["gpus"]
+        assert plane.restored[0] == saved["gpus"]["0"]
         nursery.cancel_scope.cancel()
 
 
