@@ -20,7 +20,7 @@ from cgpu_km.daemon.snapshot import SNAPSHOT_NAME, read_snapshot
 from tests.attacks.node import MIB, VENV_BIN, Container, Node, Proc, fields, missing, wait_for
 from tests.attacks.test_backstop import STOPPED, cgpu_mem
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 MOVES = pytest.mark.parametrize("move", [
     "mv /run/cgpu /run/elsewhere",  # libcgpu loads but finds no region

@@ -24,7 +24,7 @@ from tests.attacks.node import MIB, Node, missing
 from tests.attacks.test_backstop import STOPPED
 from tests.attacks.test_oom_and_memsize import egpu_env, lower_memsize
 
-pytestmark = [pytest.mark.root, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 # Docker's default profile refuses both; this one refuses only them (errno 1: EPERM).
 REFUSE_UNSHARE_AND_KEYCTL = {

@@ -35,7 +35,6 @@ from tests.containers.helpers import (
 )
 
 pytestmark = [
-    pytest.mark.root,
     pytest.mark.skipif(missing("dockerd", "containerd", "runc") is not None,
                        reason=f"{missing('dockerd', 'containerd', 'runc')} is not installed "
                               "(apt-get install docker.io)"),
