@@ -691,21 +691,19 @@ def tracked_text_files() -> list[Path]:
 
 # Files whose `../` paths are the targets of links inside a container image (the
 # attacks the hook must refuse), not paths of this machine: only the checkouts'
-# folder and a sibling `shared/` are looked for there.
+# folder and documents outside the repository are looked for there.
 IMAGE_LINK_FILES = frozenset({
     "docs/operator/security.md", "tests/attacks/test_image_links.py",
     "tests/containers/test_docker_images.py", "tests/hook/test_inroot.py",
 })
-_SIBLING_SHARED = re.compile(r"(?<![\w./])(?:\.\./)+shared/")
 
 
-def outside_paths_of(path: Path) -> list[str]:
+def outside_paths_of(path: Path, root: Path = REPO) -> list[str]:
     """What `paths_outside` finds in a tracked file, image-link files read as above."""
-    text = path.read_text()
-    if str(path.relative_to(REPO)) in IMAGE_LINK_FILES:
-        return [m.group(0) for m in (*_MACHINE_PATH.finditer(text),
-                                     *_SIBLING_SHARED.finditer(text))]
-    return paths_outside(text, path.parent)
+    found = paths_outside(path.read_text(), path.parent, root)
+    if str(path.relative_to(root)) in IMAGE_LINK_FILES:
+        return [p for p in found if not p.startswith("../") or p.endswith(".md")]
+    return found
 
 
 @pytest.mark.skipif(not (REPO / ".git").exists(), reason="needs a git checkout")
@@ -719,9 +717,14 @@ def test_no_tracked_file_points_outside_the_repository() -> None:
 def test_outside_paths_are_found(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("")
-    text = "see ../shared/DESIGN.md, /work/main/x, ../docs/a.md and ../../up"
+    text = "see ../notes/CONTRACT.md, /work/main/x, ../docs/a.md and ../../up"
     assert paths_outside(text, tmp_path / "docs", tmp_path) == [
-        "/work/m", "../shared/DESIGN.md", "../../up"]
+        "/work/m", "../notes/CONTRACT.md", "../../up"]
+    # In a file of image links, a link target is no path of this machine; a document is.
+    (tmp_path / "docs" / "operator").mkdir()
+    links = tmp_path / "docs" / "operator" / "security.md"
+    links.write_text("see ../notes/CONTRACT.md, /work/main/x and ../dev/leak")
+    assert outside_paths_of(links, tmp_path) == ["/work/m", "../notes/CONTRACT.md"]
 
 
 def test_the_design_is_in_the_repository_and_linked() -> None:
