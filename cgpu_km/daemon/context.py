@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -74,19 +74,34 @@ class Limits:
     lowered: frozenset[Key] = frozenset()  # since the previous Limits
 
 
+@dataclass(frozen=True)
+class ContainerView:
+    """One container's nodes as the daemon uses them."""
+
+    id: int
+    memsize: int  # bytes, 0: the whole device
+    spec: ContainerSpec
+
+
 @dataclass
 class DaemonView:
     """What the daemon knows of the tree (merged from quick polls and full reads)."""
 
     nodes: dict[int, GpuNodes] = field(default_factory=dict)
-    specs: dict[Key, ContainerSpec] = field(default_factory=dict)
-    memsize: dict[Key, int] = field(default_factory=dict)
-    ids: dict[Key, int] = field(default_factory=dict)
+    containers: dict[Key, ContainerView] = field(default_factory=dict)
 
     def config(self, gpu: int) -> GpuConfig:
         nodes = self.nodes[gpu]
-        specs = {n: s for (g, n), s in self.specs.items() if g == gpu}
+        specs = {n: c.spec for (g, n), c in self.containers.items() if g == gpu}
         return gpu_config(nodes, specs)
+
+    def memsize(self) -> dict[Key, int]:
+        """Every container's memory limit."""
+        return {key: c.memsize for key, c in self.containers.items()}
+
+    def keep(self, present: Set[Key]) -> None:
+        """Forget the containers not in `present`."""
+        self.containers = {k: c for k, c in self.containers.items() if k in present}
 
     def listed(self) -> dict[int, set[str]]:
         """The containers each GPU lists."""

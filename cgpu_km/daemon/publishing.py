@@ -150,8 +150,8 @@ class Publisher:
             info = self.gpu_info.get(index)
             total = info.memory_total if info else 0
             shares = figures[index].shares if index in figures else {}
-            weights = sum(view.specs[index, n].weight for n in nodes.containers
-                          if (index, n) in view.specs)
+            weights = sum(view.containers[index, n].spec.weight for n in nodes.containers
+                          if (index, n) in view.containers)
             gpus.append(snap.GpuFigures(
                 index=index, uuid=info.uuid if info else "", name=info.name if info else "",
                 memory_total_bytes=total, memory_used_bytes=memory.used_by_gpu.get(index),
@@ -162,19 +162,20 @@ class Publisher:
             ))
             for name in sorted(nodes.containers):
                 key = (index, name)
-                spec = view.specs.get(key)
-                if spec is None:
+                listed = view.containers.get(key)
+                if listed is None:
                     continue
+                spec = listed.spec
                 found = memory.by_container.get(key)
                 procs = found.procs if found is not None else {}
                 unmanaged = found.unmanaged if found is not None else frozenset()
                 containers.append(snap.ContainerFigures(
-                    name=name, id=view.ids.get(key, 0), gpu=index, weight=spec.weight,
+                    name=name, id=listed.id, gpu=index, weight=spec.weight,
                     highprio=spec.highprio, util_limit=spec.util_limit,
                     target_share=float(shares.get(name, 0)),
                     utilization=min(1.0, self.utilization.get(key, 0.0)),
                     memory_used_bytes=sum(procs.values()),
-                    memory_limit_bytes=view.memsize.get(key, 0) or total,
+                    memory_limit_bytes=listed.memsize or total,
                     gpu_time_seconds=usage.get(key, 0.0),
                     gate_wait_seconds=memory.gate_wait.get(key, 0.0),
                     oom_events=memory.oom_refusals.get(key, 0) + self.memory.stopped.get(key, 0),

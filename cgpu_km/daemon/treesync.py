@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from cgpu_km.daemon.context import DaemonView, Limits, Settings, Ticks, Worker
+from cgpu_km.daemon.context import ContainerView, DaemonView, Limits, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Key, Plane, QuickView, Tree, Watcher
 from cgpu_km.daemon.sched import ContainerSpec, Policy
 
@@ -72,7 +72,7 @@ class TreeSync:
             self._note_error(error)
 
     def status(self) -> str:
-        return f"{len(self.view.nodes)} GPUs, {len(self.view.specs)} containers"
+        return f"{len(self.view.nodes)} GPUs, {len(self.view.containers)} containers"
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -125,11 +125,9 @@ class TreeSync:
             nodes = await self.worker(partial(self.tree.read_container, gpu, name))
         except FileNotFoundError:
             return False
-        self.view.specs[gpu, name] = ContainerSpec(
-            weight=nodes.weight, highprio=bool(nodes.highprio), util_limit=nodes.util_limit
-        )
-        self.view.memsize[gpu, name] = nodes.memsize
-        self.view.ids[gpu, name] = nodes.id
+        self.view.containers[gpu, name] = ContainerView(
+            id=nodes.id, memsize=nodes.memsize, spec=ContainerSpec(
+                weight=nodes.weight, highprio=bool(nodes.highprio), util_limit=nodes.util_limit))
         return True
 
     async def _refresh(self, quick: QuickView, *, every_container: bool = False) -> None:
@@ -146,9 +144,7 @@ class TreeSync:
                                else nodes.containers - known):
                 await self._read_container(gpu, name)
         present = {(g, n) for g, nodes in quick.gpus.items() for n in nodes.containers}
-        for table in (self.view.specs, self.view.memsize, self.view.ids):
-            for key in set(table) - present:
-                del table[key]
+        self.view.keep(present)
         if came_or_went or every_container:
             await self._attach(self.worker)
             if self.watcher is not None:
@@ -180,14 +176,15 @@ class TreeSync:
             self.plane.schedule(index, self.view.config(index), state)
             self.scheduled.add(index)
         lowered = set()
-        for key, memsize in self.view.memsize.items():
+        limits = self.view.memsize()
+        for key, memsize in limits.items():
             before = self.limits.get(key)
             if before != memsize:
                 if before is not None and (before == 0 or 0 < memsize < before):
                     lowered.add(key)
                 self.plane.set_limit(key, memsize)
                 self.limits[key] = memsize
-        for key in set(self.limits) - set(self.view.memsize):
+        for key in set(self.limits) - set(limits):
             del self.limits[key]
         self._send_limits(frozenset(lowered))
 
@@ -230,7 +227,7 @@ class TreeSync:
                 changed = {(c.gpu, c.name) for c in changes
                            if c.gpu is not None and c.name is not None}
                 for gpu, name in sorted(changed):
-                    if (gpu, name) in self.view.specs:
+                    if (gpu, name) in self.view.containers:
                         await self._read_container(gpu, name)
                 if changed:
                     self._apply()
