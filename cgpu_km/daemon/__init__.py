@@ -8,8 +8,8 @@ Services, each a task with its own worker thread and schedule:
 - `lifecycle`: systemd, signals, the hot update.
 `core` composes them, `cli` is the program, `context` what they share.
 
-Beneath them: `sched` (the scheduler's pure core), `dispatch` (one thread
-per GPU driving it over the regions), `plane` and `registry` (the data
-plane and its regions), `backstop` (memory by container, stopping), `edges`
-(the interfaces to the tree and the plane), `snapshot`, `metrics`, `sdnotify`.
+Beside them: `edges` (the ports: the interfaces to the tree and the data
+plane, whose real implementations are in `cgpu_km.tree` and
+`cgpu_km.dataplane`), `backstop` (the memory rules, pure), `snapshot`,
+`metrics`, `sdnotify`. The scheduler's pure core is `cgpu_km.sched`.
 """

@@ -15,10 +15,10 @@ import trio
 from cgpu_km.daemon import core
 from cgpu_km.daemon import snapshot as snap
 from cgpu_km.daemon.context import BYPASS_ACTIONS, Settings
-from cgpu_km.daemon.edges import FsTree
 from cgpu_km.daemon.lifecycle import run_with_signals
 from cgpu_km.daemon.sdnotify import Notifier
 from cgpu_km.tree import client as treefs
+from cgpu_km.tree.fstree import FsTree
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (a /proc scan, NVML) to give up the interpreter: 5 ms by default.
     sys.setswitchinterval(DISPATCH_SWITCH_INTERVAL)
     from cgpu_km.daemon import metrics
-    from cgpu_km.daemon.plane import make_plane
+    from cgpu_km.dataplane.plane import make_plane
     from cgpu_km.gpus import GpuError, discover_gpus
 
     try:

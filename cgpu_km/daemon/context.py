@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from cgpu_km.daemon.edges import GpuNodes, Key
-from cgpu_km.daemon.sched import QUANTUM, ContainerSpec, GpuConfig
+from cgpu_km.sched import QUANTUM, ContainerSpec, GpuConfig
+from cgpu_km.tree.views import GpuNodes, Key
 
 T = TypeVar("T")
 BYPASS_ACTIONS = ("stop", "report")

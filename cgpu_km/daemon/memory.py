@@ -11,9 +11,11 @@ from functools import partial
 
 import trio
 
-from cgpu_km.daemon.backstop import Grandfather, MemoryView, over_limit
+from cgpu_km.daemon.backstop import Grandfather, over_limit
 from cgpu_km.daemon.context import Limits, Settings, Ticks, Worker
-from cgpu_km.daemon.edges import Key, Plane, Tree
+from cgpu_km.daemon.edges import Plane, Tree
+from cgpu_km.dataplane.attribution import MemoryView
+from cgpu_km.tree.views import Key
 
 log = logging.getLogger("cgpu-daemon")
 

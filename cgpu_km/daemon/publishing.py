@@ -16,11 +16,12 @@ import trio
 
 from cgpu_km.daemon import snapshot as snap
 from cgpu_km.daemon.context import Settings, Ticks, Worker
-from cgpu_km.daemon.edges import Key, Plane
+from cgpu_km.daemon.edges import Plane
 from cgpu_km.daemon.memory import MemoryService
 from cgpu_km.daemon.treesync import TreeSync
 from cgpu_km.fileio import replace_file
 from cgpu_km.gpus import GpuInfo
+from cgpu_km.tree.views import Key
 
 log = logging.getLogger("cgpu-daemon")
 

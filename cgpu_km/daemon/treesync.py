@@ -21,8 +21,9 @@ from typing import Any
 import trio
 
 from cgpu_km.daemon.context import ContainerView, DaemonView, Limits, Settings, Ticks, Worker
-from cgpu_km.daemon.edges import Key, Plane, QuickView, Tree, Watcher
-from cgpu_km.daemon.sched import ContainerSpec, Policy
+from cgpu_km.daemon.edges import Plane, Tree, Watcher
+from cgpu_km.sched import ContainerSpec, Policy
+from cgpu_km.tree.views import Key, QuickView
 
 log = logging.getLogger("cgpu-daemon")
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from cgpu_km.daemon.backstop import ContainerMemory, MemoryView
-from cgpu_km.daemon.dispatch import Figures
-from cgpu_km.daemon.edges import ContainerNodes, GpuNodes, Key, QuickView
-from cgpu_km.daemon.sched import GpuConfig
+from cgpu_km.dataplane.attribution import ContainerMemory, MemoryView
+from cgpu_km.dataplane.dispatch import Figures
+from cgpu_km.sched import GpuConfig
 from cgpu_km.tree.client import ContainerView, GpuView
+from cgpu_km.tree.views import ContainerNodes, GpuNodes, Key, QuickView
 
 
 def answering_event() -> threading.Event:

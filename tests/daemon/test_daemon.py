@@ -23,8 +23,8 @@ from cgpu_km.daemon.context import Settings
 from cgpu_km.daemon.core import Daemon
 from cgpu_km.daemon.lifecycle import UPGRADED_ENV, run_with_signals
 from cgpu_km.daemon.publishing import STATE_NAME
-from cgpu_km.daemon.sched import ContainerSpec, Policy
 from cgpu_km.daemon.sdnotify import Notifier
+from cgpu_km.sched import ContainerSpec, Policy
 from tests.daemon.fakes import FakePlane, MemoryTree
 
 T = TypeVar("T")

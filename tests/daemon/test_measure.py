@@ -1,4 +1,4 @@
-"""`backstop.measure` against a real region and a real process in a pid namespace of its
+"""`attribution.measure` against a real region and a real process in a pid namespace of its
 own: which processes count as having bypassed libcgpu, and what is published for libcgpu."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.daemon.backstop import Attribution, measure
-from cgpu_km.daemon.plane import RegionPlane
-from cgpu_km.daemon.registry import Registry
 from cgpu_km.dataplane import kernelview
 from cgpu_km.dataplane import region as region_mod
+from cgpu_km.dataplane.attribution import Attribution, measure
+from cgpu_km.dataplane.plane import RegionPlane
+from cgpu_km.dataplane.registry import Registry
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                 reason="a pid namespace needs root and unshare(1)")

@@ -14,15 +14,18 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from cgpu_km.daemon.backstop import Nvml, stop_process
 from cgpu_km.daemon.context import Settings
 from cgpu_km.daemon.core import Daemon
-from cgpu_km.daemon.edges import Change, FsTree, InotifyWatcher
-from cgpu_km.daemon.plane import RegionPlane
-from cgpu_km.daemon.sched import ContainerSpec, GpuConfig, Policy
 from cgpu_km.dataplane import futex
 from cgpu_km.dataplane import region as region_mod
+from cgpu_km.dataplane.attribution import Nvml
+from cgpu_km.dataplane.plane import RegionPlane
+from cgpu_km.dataplane.stopping import stop_process
+from cgpu_km.sched import ContainerSpec, GpuConfig, Policy
 from cgpu_km.tree import client as treefs
+from cgpu_km.tree.fstree import FsTree
+from cgpu_km.tree.views import Change
+from cgpu_km.tree.watch import InotifyWatcher
 from tests.daemon.fakes import FakePlane
 
 

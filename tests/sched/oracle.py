@@ -4,14 +4,14 @@
 of them is busy, from the policy table and the rules of docs/design.md
 ("Scheduling policies"), in floats and with water filling done the textbook
 way (the smallest caps first), so that it shares no code and no arithmetic
-with `cgpu_km.daemon.sched.allotments`.
+with `cgpu_km.sched.allotments`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from cgpu_km.daemon.sched import GpuConfig, Policy
+from cgpu_km.sched import GpuConfig, Policy
 
 
 def water_fill(amount: float, weights: Mapping[str, float], caps: Mapping[str, float],

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from cgpu_km.daemon.sched import Observation, SliceScheduler
+from cgpu_km.sched import Observation, SliceScheduler
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgpu_km.daemon.sched import ContainerSpec, GpuConfig, Policy, allotments, waterfill
+from cgpu_km.sched import ContainerSpec, GpuConfig, Policy, allotments, waterfill
 
 
 def shares(

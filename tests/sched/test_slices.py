@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cgpu_km.daemon.sched import (
+from cgpu_km.sched import (
     ContainerSpec,
     GpuConfig,
     Observation,

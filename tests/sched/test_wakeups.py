@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cgpu_km.daemon.sched import ContainerSpec, GpuConfig, Observation, Policy, SliceScheduler
+from cgpu_km.sched import ContainerSpec, GpuConfig, Observation, Policy, SliceScheduler
 from tests.sched.slice_model import Proc, kernels, run
 
 W = ContainerSpec

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.daemon.edges import CONTAINER_NODES, GpuNodes
 from cgpu_km.tree import doctable, kmod_header
 from cgpu_km.tree.model import (
     Add,
@@ -21,6 +20,7 @@ from cgpu_km.tree.model import (
     tree_from_arguments,
 )
 from cgpu_km.tree.nodes import MAX_GPUS, NODES_BY_LEVEL, Kind, Level
+from cgpu_km.tree.views import CONTAINER_NODES, GpuNodes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,10 +18,9 @@ from types import MappingProxyType
 
 from cgpu_km.dataplane import kernelview
 from cgpu_km.dataplane import region as region_mod
+from cgpu_km.tree.views import Key
 
 log = logging.getLogger("cgpu-daemon")
-
-Key = tuple[int, str]  # (host GPU index, container name)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 `RegionPlane` implements `cgpu_km.daemon.edges.Plane`:
 
 - regions: `<region dir>/<container>/` (`cgpu_km.dataplane.region`), attached as the
-  tree lists the containers (`cgpu_km.daemon.registry`);
-- scheduling: one `cgpu_km.daemon.dispatch.Dispatcher` thread per GPU over the
+  tree lists the containers (`cgpu_km.dataplane.registry`);
+- scheduling: one `cgpu_km.dataplane.dispatch.Dispatcher` thread per GPU over the
   regions of that GPU's containers; GPU time is what the dispatcher charged
   from grants to drain answers, never NVML's utilization;
 - memory: NVML's running processes (host pids), put into containers by the
-  kernel (`cgpu_km.daemon.backstop.measure`); processes are stopped only after the
+  kernel (`cgpu_km.dataplane.attribution.measure`); processes are stopped only after the
   kernel confirmed who they are;
 - slots: those whose process the kernel no longer runs are reclaimed.
 
@@ -27,12 +27,12 @@ from collections.abc import Mapping, Set
 from pathlib import Path
 from typing import Any
 
-from cgpu_km.daemon import backstop
-from cgpu_km.daemon.dispatch import Dispatcher, Figures, RegionPort
-from cgpu_km.daemon.registry import Key, Registry
-from cgpu_km.daemon.sched import QUANTUM, GpuConfig
-from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import attribution, kernelview, stopping
 from cgpu_km.dataplane import region as region_mod
+from cgpu_km.dataplane.dispatch import Dispatcher, Figures, RegionPort
+from cgpu_km.dataplane.registry import Registry
+from cgpu_km.sched import QUANTUM, GpuConfig
+from cgpu_km.tree.views import Key
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -40,12 +40,12 @@ log = logging.getLogger("cgpu-daemon")
 class RegionPlane:
     """Regions, dispatchers, NVML and the kernel's view, behind `daemon_io.Plane`."""
 
-    def __init__(self, directory: Path, nvml: backstop.Nvml | None, *,
+    def __init__(self, directory: Path, nvml: attribution.Nvml | None, *,
                  quantum: float = QUANTUM, proc: str = kernelview.PROC) -> None:
         self.registry = Registry(directory)
         self.nvml = nvml
         self.quantum = quantum
-        self.attribution = backstop.Attribution(proc)
+        self.attribution = attribution.Attribution(proc)
         self._ports: dict[int, RegionPort] = {}
         self._dispatchers: dict[int, Dispatcher] = {}
         self._threads: dict[int, threading.Thread] = {}
@@ -131,9 +131,9 @@ class RegionPlane:
 
     # -- memory and slots --
 
-    def memory(self) -> backstop.MemoryView:
+    def memory(self) -> attribution.MemoryView:
         """Every container's GPU memory, also published in each region for libcgpu."""
-        view = backstop.measure(self.registry, self.nvml, self.attribution)
+        view = attribution.measure(self.registry, self.nvml, self.attribution)
         if self.nvml is not None:
             for entry in self.registry.all():
                 entry.region.publish_seen(view.seen.get(entry.name, ()))
@@ -195,7 +195,7 @@ class RegionPlane:
             script = entry.region.oom_script if oom_script and entry.region.mode == "egpu" \
                 else ""
             usage = sum(p.mem[k] for p in entry.region.processes())
-            backstop.stop_process(pid, oom_script=script, owner=entry.owner, env={
+            stopping.stop_process(pid, oom_script=script, owner=entry.owner, env={
                 "CGPU_OOM_CONTAINER": entry.name, "CGPU_OOM_GPU": str(k),
                 "CGPU_OOM_LIMIT": str(entry.region.limit(k)), "CGPU_OOM_USAGE": str(usage),
                 "CGPU_OOM_PID": str(info.inner_pid)}, kill=lambda: signal.pidfd_send_signal(
@@ -207,9 +207,9 @@ class RegionPlane:
 def make_plane(region_dir: str | None, *, quantum: float = QUANTUM) -> RegionPlane:
     """The plane for this host: regions plus NVML (simgpu without a driver)."""
     directory = Path(region_dir) if region_dir else region_mod.region_dir()
-    nvml: backstop.Nvml | None
+    nvml: attribution.Nvml | None
     try:
-        nvml = backstop.Nvml()
+        nvml = attribution.Nvml()
     except Exception as error:  # NVML absent or broken: gates still work, memory is unknown
         log.warning("NVML unavailable (%s): no GPU memory figures", error)
         nvml = None

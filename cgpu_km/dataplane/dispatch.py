@@ -1,6 +1,6 @@
 """The daemon's dispatchers: one thread per GPU hands the GPU to one container at a time.
 
-A `Dispatcher` runs a `cgpu_km.daemon.sched.SliceScheduler` against a `GpuPort`:
+A `Dispatcher` runs a `cgpu_km.sched.SliceScheduler` against a `GpuPort`:
 it observes the containers (who waits at the gate, who launched, who
 answered the last close), steps the scheduler, opens and closes gates, and
 stamps the heartbeat; then it sleeps until the scheduler's deadline or
@@ -26,15 +26,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
 
-from cgpu_km.daemon.sched import (
+from cgpu_km.dataplane import futex
+from cgpu_km.dataplane.region import Region
+from cgpu_km.sched import (
     QUANTUM,
     GpuConfig,
     Observation,
     SliceDecision,
     SliceScheduler,
 )
-from cgpu_km.dataplane import futex
-from cgpu_km.dataplane.region import Region
 
 log = logging.getLogger("cgpu-daemon")
 

@@ -1,0 +1,201 @@
+"""GPU memory as the driver and the kernel see it, by container.
+
+The daemon's memory service reads every GPU process from NVML (host pids),
+asks the kernel which container each belongs to (`kernelview.belongs`
+against the identity recorded at registration, never a pid a container
+wrote), and so knows each container's real GPU memory, including processes
+that bypassed libcgpu (no process slot: "unmanaged"). Those figures feed
+`meminfo`, `cgpu-smi`, the metrics and the backstop
+(`cgpu_km.daemon.backstop`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field
+from typing import Any
+
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.dataplane.registry import Registry
+from cgpu_km.tree.views import Key
+
+log = logging.getLogger("cgpu-daemon")
+
+
+class Nvml:
+    """The NVML reads the daemon needs, with failures turned into empty answers."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nvml: Any = pynvml
+        self.nvml.nvmlInit()
+        self.handles: dict[int, Any] = {}
+        for position in range(int(self.nvml.nvmlDeviceGetCount())):
+            handle = self.nvml.nvmlDeviceGetHandleByIndex(position)
+            self.handles[int(self.nvml.nvmlDeviceGetIndex(handle))] = handle
+
+    def memory_by_pid(self) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+        """Bytes per (gpu, host pid) of the running compute processes, and used per GPU."""
+        procs: dict[tuple[int, int], int] = {}
+        used: dict[int, int] = {}
+        for gpu, handle in self.handles.items():
+            with contextlib.suppress(self.nvml.NVMLError):
+                for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    size = proc.usedGpuMemory
+                    procs[gpu, int(proc.pid)] = int(size) if size is not None else 0
+            with contextlib.suppress(self.nvml.NVMLError):
+                used[gpu] = int(self.nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        return procs, used
+
+    def utilization_by_pid(self, last_seen: Mapping[int, int]
+                           ) -> dict[int, list[tuple[int, int, int]]]:
+        """NVML's sampled per-process utilization (for display only): per GPU,
+        (host pid, timestamp in us, percent) newer than `last_seen[gpu]`."""
+        found: dict[int, list[tuple[int, int, int]]] = {}
+        for gpu, handle in self.handles.items():
+            try:
+                samples = self.nvml.nvmlDeviceGetProcessUtilization(handle, last_seen.get(gpu, 0))
+            except self.nvml.NVMLError:
+                continue
+            found[gpu] = [(int(s.pid), int(s.timeStamp), int(s.smUtil)) for s in samples]
+        return found
+
+
+@dataclass(frozen=True)
+class ContainerMemory:
+    """One container's GPU memory on one GPU, by host pid, from NVML."""
+
+    procs: Mapping[int, int] = field(default_factory=dict)
+    unmanaged: frozenset[int] = frozenset()  # host pids with no live process slot
+
+    @property
+    def total(self) -> int:
+        return sum(self.procs.values())
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """What the memory service measured at one instant."""
+
+    by_container: Mapping[Key, ContainerMemory]
+    used_by_gpu: Mapping[int, int] = field(default_factory=dict)
+    stray: Mapping[int, Mapping[int, int]] = field(default_factory=dict)  # gpu -> pid -> bytes
+    # As the containers' processes report them (display only): cumulative
+    # seconds their launches waited at the gate, allocations refused.
+    gate_wait: Mapping[Key, float] = field(default_factory=dict)
+    oom_refusals: Mapping[Key, int] = field(default_factory=dict)
+    # Per container (region) name: its processes as the kernel and NVML saw
+    # them, published in its region's control part for libcgpu.
+    seen: Mapping[str, tuple[region_mod.Seen, ...]] = field(default_factory=dict)
+
+
+class Attribution:
+    """Which container the kernel puts each GPU process in (cached per pid and start)."""
+
+    def __init__(self, proc: str = kernelview.PROC) -> None:
+        self.proc = proc
+        self.host = kernelview.Host.read(proc)
+        self._info: dict[int, kernelview.ProcessInfo | None] = {}
+        self._host_pids: dict[tuple[int, int, int], int] = {}
+
+    def info(self, pid: int) -> kernelview.ProcessInfo | None:
+        cached = self._info.get(pid)
+        fresh = kernelview.process_info(pid, self.proc)
+        if cached is None or fresh is None or fresh.start_time != cached.start_time:
+            self._info[pid] = fresh
+            if len(self._info) > 4096:
+                self._info.clear()
+        return fresh
+
+    def owner_of(self, pid: int, owners: kernelview.OwnerIndex) -> str | None:
+        info = self.info(pid)
+        return owners.find(info) if info is not None else None
+
+    def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
+        """Which of these (pid namespace, pid in it, start time) run now. Each is
+        found once by a scan of /proc; then its host pid is only checked."""
+        found = set()
+        unknown = set()
+        for key in slots:
+            host_pid = self._host_pids.get(key)
+            info = kernelview.process_info(host_pid, self.proc) if host_pid else None
+            if info is not None and (info.pidns, info.inner_pid, info.start_time) == key \
+                    and info.state not in ("Z", "X"):
+                found.add(key)
+            else:
+                self._host_pids.pop(key, None)
+                unknown.add(key)
+        if unknown:
+            index = self.index({pidns for pidns, _pid, _start in unknown})
+            for key in unknown & index.keys():
+                self._host_pids[key] = index[key]
+                found.add(key)
+        if len(self._host_pids) > 4096:
+            self._host_pids.clear()
+        return found
+
+    def host_pid(self, key: tuple[int, int, int]) -> int:
+        """The host pid `running` found for a slot's process (0: none)."""
+        return self._host_pids.get(key, 0)
+
+    def index(self, pidns: Set[int]) -> dict[tuple[int, int, int], int]:
+        """Every running process of these pid namespaces, as (pid namespace, pid
+        in it, start time) -> host pid (one stat for each of the others)."""
+        found: dict[tuple[int, int, int], int] = {}
+        for pid in kernelview.all_pids(self.proc):
+            try:
+                if os.stat(f"{self.proc}/{pid}/ns/pid").st_ino not in pidns:
+                    continue
+            except OSError:
+                continue
+            info = kernelview.process_info(pid, self.proc)
+            if info is not None and info.state not in ("Z", "X"):
+                found[info.pidns, info.inner_pid, info.start_time] = pid
+        return found
+
+
+def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> MemoryView:
+    """Every container's GPU memory by the kernel's attribution of NVML's processes."""
+    keys = registry.keys()
+    views = {key: entry.region.processes() for key, (entry, _k) in keys.items()}
+    gate_wait = {key: sum(p.gate_wait_ns[k] for p in views[key]) / 1e9
+                 for key, (_entry, k) in keys.items()}
+    refusals = {key: sum(p.oom_refusals[k] for p in views[key]) for key, (_e, k) in keys.items()}
+    if nvml is None:
+        return MemoryView(by_container={}, gate_wait=gate_wait, oom_refusals=refusals)
+    by_pid, used = nvml.memory_by_pid()
+    owners = kernelview.OwnerIndex(
+        {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None},
+        attribution.host, attribution.proc)
+    procs: dict[Key, dict[int, int]] = {key: {} for key in keys}
+    unmanaged: dict[Key, set[int]] = {key: set() for key in keys}
+    identity: dict[int, tuple[int, int, int]] = {}
+    stray: dict[int, dict[int, int]] = {}
+    seen: dict[str, list[region_mod.Seen]] = {entry.name: [] for entry, _k in keys.values()}
+    for (gpu, pid), size in sorted(by_pid.items()):
+        name = attribution.owner_of(pid, owners)
+        key = (gpu, name or "")
+        info = attribution.info(pid)
+        if name is None or key not in procs or info is None:
+            stray.setdefault(gpu, {})[pid] = size
+            continue
+        procs[key][pid] = size
+        identity[pid] = (info.pidns, info.inner_pid, info.start_time)
+        seen[name].append(region_mod.Seen(keys[key][1], *identity[pid], size))
+        if identity[pid] not in {(p.pidns, p.pid, p.start_time) for p in views[key]}:
+            unmanaged[key].add(pid)
+    # libcgpu claims a process's slot before it makes a context, so a slot
+    # claimed after the first look but before NVML's is in a second look.
+    for key in [key for key, pids in unmanaged.items() if pids]:
+        slots = {(p.pidns, p.pid, p.start_time) for p in keys[key][0].region.processes()}
+        unmanaged[key] = {pid for pid in unmanaged[key] if identity[pid] not in slots}
+    return MemoryView(
+        by_container={key: ContainerMemory(procs[key], frozenset(unmanaged[key]))
+                      for key in keys},
+        used_by_gpu=used, stray=stray, gate_wait=gate_wait, oom_refusals=refusals,
+        seen={name: tuple(found) for name, found in seen.items()})
