@@ -19,8 +19,10 @@ from cgpu_km.daemon.context import Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Plane
 from cgpu_km.daemon.memory import MemoryService
 from cgpu_km.daemon.treesync import TreeSync
+from cgpu_km.dataplane.dispatch import Figures
 from cgpu_km.fileio import replace_file
 from cgpu_km.gpus import GpuInfo
+from cgpu_km.tree.model import free_weight
 from cgpu_km.tree.views import Key
 
 log = logging.getLogger("cgpu-daemon")
@@ -118,10 +120,11 @@ class Publisher:
                 except OSError as error:
                     log.warning("cannot save state: %s", error)
 
-    def _gpu_time(self) -> dict[Key, float]:
+    @staticmethod
+    def _gpu_time(figures: Mapping[int, Figures]) -> dict[Key, float]:
         """GPU seconds each container was charged by its GPU's dispatcher."""
-        return {(gpu, name): used for gpu, figures in self.plane.figures().items()
-                for name, used in figures.used.items()}
+        return {(gpu, name): used for gpu, figure in figures.items()
+                for name, used in figure.used.items()}
 
     def _utilization_since(self, now: float, usage: dict[Key, float]) -> dict[Key, float]:
         """Each container's GPU time per second over the last UTILIZATION_WINDOW (0..1)."""
@@ -139,8 +142,8 @@ class Publisher:
     def snapshot(self) -> snap.Snapshot:
         """The figures `cgpu-smi` and Prometheus show, frozen now."""
         now = self.state_file.wall_clock()
-        usage = self._gpu_time()
-        figures = self.plane.figures()
+        figures = self.plane.figures()  # once: every figure below is of one instant
+        usage = self._gpu_time(figures)
         self.utilization = self._utilization_since(now, usage)
         view = self.sync.view
         memory = self.memory.memory
@@ -151,15 +154,15 @@ class Publisher:
             info = self.gpu_info.get(index)
             total = info.memory_total if info else 0
             shares = figures[index].shares if index in figures else {}
-            weights = sum(view.containers[index, n].spec.weight for n in nodes.containers
-                          if (index, n) in view.containers)
             gpus.append(snap.GpuFigures(
                 index=index, uuid=info.uuid if info else "", name=info.name if info else "",
                 memory_total_bytes=total, memory_used_bytes=memory.used_by_gpu.get(index),
                 utilization=min(1.0, sum(self.utilization.get((index, n), 0.0)
                                          for n in nodes.containers)),
                 policy=nodes.policy, max_inst=nodes.max_inst, prio_ratio=nodes.prio_ratio,
-                free_weight=max(0, nodes.max_inst - weights),
+                free_weight=free_weight(nodes.max_inst, (
+                    view.containers[index, n].spec.weight for n in nodes.containers
+                    if (index, n) in view.containers)),
             ))
             for name in sorted(nodes.containers):
                 key = (index, name)

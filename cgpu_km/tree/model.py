@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import errno
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cgpu_km import __version__
@@ -79,6 +80,12 @@ def check_id(name: str) -> str:
     return name
 
 
+def free_weight(max_inst: int, weights: Iterable[int]) -> int:
+    """The `free_weight` node: the weight of `max_inst` that no container holds
+    (never below 0, so a view read across a change shows no debt)."""
+    return max(0, max_inst - sum(weights))
+
+
 @dataclass
 class Container:
     """One container on one GPU."""
@@ -102,7 +109,8 @@ class Gpu:
         return sum(c.values["weight"] for n, c in self.containers.items() if n != excluding)
 
     def free_weight(self) -> int:
-        return self.values["max_inst"] - self.weight_sum()
+        return free_weight(self.values["max_inst"],
+                           (c.values["weight"] for c in self.containers.values()))
 
 
 # --- inst_ctl commands --------------------------------------------------------

@@ -24,6 +24,7 @@ from cgpu_km.daemon.core import Daemon
 from cgpu_km.daemon.lifecycle import UPGRADED_ENV, run_with_signals
 from cgpu_km.daemon.publishing import STATE_NAME
 from cgpu_km.daemon.sdnotify import Notifier
+from cgpu_km.dataplane.dispatch import Figures
 from cgpu_km.sched import ContainerSpec, Policy
 from tests.daemon.fakes import FakePlane, MemoryTree
 
@@ -468,3 +469,34 @@ async def test_a_process_without_libcgpu_is_stopped_in_the_round_that_sees_it(
 def test_on_bypass_takes_stop_or_report() -> None:
     with pytest.raises(ValueError, match="on_bypass must be stop or report"):
         Settings(on_bypass="kill")
+
+
+class MovingPlane(FakePlane):
+    """A plane whose dispatchers charge container a one more second at every look."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks = 0
+
+    def figures(self) -> dict[int, Figures]:
+        self.looks += 1
+        self.used[0] = {"a": float(self.looks)}
+        return super().figures()
+
+
+async def test_a_snapshot_is_of_one_instant_of_the_dispatchers(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The GPU time, the shares and the holder of a snapshot come from one look at the
+    dispatchers, however often they move meanwhile."""
+    plane = MovingPlane()
+    daemon, _ = make_daemon(two_containers(policy=1), plane, tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        await rounds(daemon, 2)
+        nursery.cancel_scope.cancel()
+    before = plane.looks
+    figures = daemon.publisher.snapshot().container(0, "a")
+    assert plane.looks == before + 1
+    assert figures is not None
+    assert figures.gpu_time_seconds == before + 1
