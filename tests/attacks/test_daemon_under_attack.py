@@ -112,16 +112,17 @@ class FuzzRun:
 def fuzz_beside_two(node: Node, seconds: float, mode: str) -> FuzzRun:
     """Weighted policy: containers of weight 1 and 2 run sharework, and root in a third
     (weight 1, on the same GPU, using no GPU) fuzzes its account part for `seconds`,
-    from 1.5 s after their start to 1.5 s before their end."""
+    from 2.5 s after their start (2 s of shares to compare with) to 1.5 s before
+    their end."""
     node.echo("0/policy", 2)
     node.start_daemon()
     first = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "1"})
     second = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "2"})
     hostile = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "1"}, user=0)
     fuzzer = hostile.proc()
-    jobs = [ShareJob(first, US, seconds + 3), ShareJob(second, US, seconds + 3)]
+    jobs = [ShareJob(first, US, seconds + 4), ShareJob(second, US, seconds + 4)]
     with sharing(jobs) as t0:
-        time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))
+        time.sleep(max(0.0, t0 + 2.5 - time.monotonic()))
         start = time.monotonic()
         answer = fields(fuzzer.ask(f"fuzz {seconds} 20261130 {mode}", timeout=seconds + 10))
         end = time.monotonic()
