@@ -33,18 +33,63 @@ any holder); the driver time-slices the two meanwhile, and that shared span
 is paid half by each. A busy container waiting on past its own turn never
 rests, so between busy containers slices and drains are as above; at most
 MAX_OVERLAP handover drains run at once.
+
+States: the GPU is in one of these (`SliceScheduler.state`, frozen values;
+each step goes through the one transition function of the present state)::
+
+              grant                       slice over: close
+    +------+ -------> +---------+ -----------------------> +----------+
+    | Idle |          | Holding | <-+ renewed (alone,      | Draining |
+    +------+ <------- +---------+ --+ credit left)         +----------+
+       ^   nobody         |  ^                                |  |
+       |   eligible       |  | handover: to a waking one      |  |
+       |                  +--+ (the holder becomes late)  <---+  |
+       +---------------------------------------------------------+
+                     answered, or cut at the drain limit (late)
+
+    state     gates open     left when                            for
+    Idle      none           someone waiting is eligible          Holding
+    Holding   the holder's   its slice ends, still eligible and   Holding (renewed)
+                             nobody else may take it
+                             its slice ends with company, or it   Draining
+                             is preempted, out of credit, idle
+                             a container wakes                    Holding (handover)
+    Draining  none           it answers, or its drain limit       Idle, then a grant
+                             passes (cut: it is late)             in the same step
+                             a container wakes                    Holding (handover)
+    Native    per cap        (policy 5; every step stays here;    Idle
+                             another policy leaves it)
+
+Beside the state, any number of late containers (`late`), each with its
+`Late` record: cut before it answered, or handed over from. A late
+container is charged until its answer is seen, and not granted before.
+A handover's `Holding` (or the `Draining` after it) names the container
+it was handed over by (`sharing`): until that one's drain ends (it
+answers, or its deadline cuts it) or the turn ends, the span is shared
+and paid half by each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeAlias
 
 from cgpu_km.sched.allotments import GpuConfig, Policy, allotments
 
-__all__ = ["QUANTUM", "Observation", "SliceDecision", "SliceScheduler"]
+__all__ = [
+    "QUANTUM",
+    "Draining",
+    "Holding",
+    "Idle",
+    "Late",
+    "Native",
+    "Observation",
+    "SliceDecision",
+    "SliceScheduler",
+    "State",
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +117,59 @@ class SliceDecision:
         return name in self.open
 
 
+@dataclass(frozen=True)
+class Idle:
+    """Nobody holds the GPU (policies 0-4): every gate is closed."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """`holder`'s gate is open for the slice from `slice_start` to `slice_end`."""
+
+    holder: str
+    slice_start: float
+    slice_end: float
+    paid_to: float  # the holder is charged up to here
+    # Handed over by this container, whose drain runs beside: until it ends, the
+    # time since `paid_to` is shared, paid half by each.
+    sharing: str | None = None
+
+
+@dataclass(frozen=True)
+class Draining:
+    """`holder`'s gate closed at `closed_at`: its drain answer is awaited, up to its
+    drain limit."""
+
+    holder: str
+    closed_at: float
+    paid_to: float
+    sharing: str | None = None
+
+
+@dataclass(frozen=True)
+class Native:
+    """Policy 5: the gates in `open` are open."""
+
+    open: frozenset[str] = frozenset()
+
+
+State: TypeAlias = Idle | Holding | Draining | Native
+Turn: TypeAlias = Holding | Draining  # a holder's turn
+IDLE = Idle()
+
+
+@dataclass(frozen=True)
+class Late:
+    """A container whose turn ended before it answered its close (it was cut, or
+    handed over from): charged from `since` until its answer is seen, less
+    `refund` (its half of a span it shared); a handover's drain is cut at
+    `deadline`."""
+
+    since: float
+    deadline: float | None = None
+    refund: float = 0.0
+
+
 @dataclass
 class _Account:
     credit: float = 0.0
@@ -87,6 +185,7 @@ class _Account:
 
 
 NEVER = float("inf")
+NOTHING = Observation()  # what is seen of a container the observations leave out
 # The default quantum: the slice of the smallest share. Each switch costs the
 # holder its drain answer's way back, so the shorter the quantum the more that
 # costs (and the more unequal slices skew the ratios); the longer, the more a
@@ -127,23 +226,10 @@ class SliceScheduler:
         self._config = config
         self._accounts: dict[str, _Account] = {n: _Account() for n in config.containers}
         self._now: float | None = None
-        self._active: frozenset[str] = frozenset()
-        self.holder: str | None = None
-        self._granted_at = 0.0
-        self._slice_end = 0.0
-        self._closed_at: float | None = None  # the holder's slice ended: draining
-        self._late: dict[str, float] = {}  # cut before it answered: charged up to
-        # Handed over to a waking container before it answered: its drain's deadline
-        # (these are in _late too).
-        self._overlap: dict[str, float] = {}
-        # A handover's holder shares the GPU with the drain it overlaps: that span
-        # (the drainer, its start) is paid half by each, so the holder is not
-        # charged at its own rate until `_free_until` (infinity while it lasts).
-        self._shared: tuple[str, float] | None = None
-        self._free_until: float | None = None
-        self._refund: dict[str, float] = {}  # a drainer's half of what it shared
         self._now_before = -NEVER  # the step before this one
-        self._native_open: frozenset[str] = frozenset()
+        self._active: frozenset[str] = frozenset()
+        self._state: State = IDLE
+        self._late: dict[str, Late] = {}
         self._set_allot()
 
     @property
@@ -168,13 +254,14 @@ class SliceScheduler:
         self._accounts = accounts
         self._config = config
         self._active = self._active & frozenset(config.containers)
-        self._late = {n: t for n, t in self._late.items() if n in accounts}
-        self._overlap = {n: t for n, t in self._overlap.items() if n in accounts}
-        self._refund = {n: t for n, t in self._refund.items() if n in accounts}
-        if self._shared is not None and self._shared[0] not in accounts:
-            self._shared = None
-        if self.holder is not None and self.holder not in accounts:
-            self.holder, self._closed_at, self._free_until, self._shared = None, None, None, None
+        self._late = {n: late for n, late in self._late.items() if n in accounts}
+        turn = self._state
+        if isinstance(turn, Holding | Draining):
+            if turn.holder not in accounts:
+                self._state = IDLE
+            elif turn.sharing is not None and turn.sharing not in accounts:
+                assert self._now is not None  # a turn began at a step
+                self._end_sharing(self._now)
         self._set_allot()
 
     def credits(self) -> dict[str, float]:
@@ -186,13 +273,26 @@ class SliceScheduler:
         return {n: a.used for n, a in self._accounts.items()}
 
     @property
+    def state(self) -> State:
+        """Who holds the GPU and since when (see the module's docstring)."""
+        return self._state
+
+    @property
+    def holder(self) -> str | None:
+        return self._state.holder if isinstance(self._state, Holding | Draining) else None
+
+    @property
+    def draining(self) -> bool:
+        return isinstance(self._state, Draining)
+
+    @property
     def late(self) -> frozenset[str]:
         """Containers cut before they answered a close: their answers are awaited."""
         return frozenset(self._late)
 
-    @property
-    def draining(self) -> bool:
-        return self._closed_at is not None
+    def late_record(self, name: str) -> Late | None:
+        """What `name` is charged from while late, or None: it is not."""
+        return self._late.get(name)
 
     def _set_allot(self) -> None:
         self._allot = allotments(self._config, self._active)
@@ -214,9 +314,8 @@ class SliceScheduler:
         if dt < 0:
             raise ValueError(f"time went backwards: {now} < {self._now}")
         self._now = now
-        nothing = Observation()
         for name, acc in self._accounts.items():
-            seen = observed.get(name, nothing)
+            seen = observed.get(name, NOTHING)
             if seen.waiting:
                 if acc.last_waiting < self._now_before or acc.last_waiting == -NEVER:
                     acc.rested = now - acc.last_active  # a wait begins
@@ -227,23 +326,12 @@ class SliceScheduler:
             acc.last_launches = seen.launches
         self._now_before = now
         self._accrue(dt)
-        for name, charged_to in list(self._late.items()):
-            acc = self._accounts[name]
-            if observed.get(name, nothing).answered:
-                if self._overlap.pop(name, None) is not None:  # answered in time
-                    acc.drain_limit = min(2 * self._drain_limit(name), self.drain_timeout)
-                    self._end_shared(now)
-                self._charge(name, now - charged_to - self._refund.pop(name, 0.0))
-                del self._late[name]
-            elif name in self._overlap and now >= self._overlap[name]:
-                del self._overlap[name]  # cut: it stays late
-                acc.drain_limit = max(self._drain_limit(name) / 2, self._drain_floor)
-                self._end_shared(now)
+        self._hear_the_late(now, observed)
         # Active: waiting now, or launched or waited within a short while (a busy
         # container's processes are not at the gate every instant: between two
         # turns they drain, wake, launch).
         active = frozenset(n for n, acc in self._accounts.items()
-                           if observed.get(n, nothing).waiting
+                           if observed.get(n, NOTHING).waiting
                            or now - acc.last_active < self.burst_window)
         if active != self._active:
             self._active = active
@@ -253,14 +341,31 @@ class SliceScheduler:
         return self._exclusive(now, observed)
 
     def _accrue(self, dt: float) -> None:
+        holder = self.holder
         for name, acc in self._accounts.items():
             share, cap = self._rates[name]
             acc.credit += share * dt
             acc.cap_credit += cap * dt
-            if name not in self._active and name != self.holder:
+            if name not in self._active and name != holder:
                 # idle: no banking beyond a short burst
                 acc.credit = min(acc.credit, share * self.burst_window)
                 acc.cap_credit = min(acc.cap_credit, cap * self.burst_window)
+
+    def _hear_the_late(self, now: float, observed: Mapping[str, Observation]) -> None:
+        """A late container that answered is charged up to now and is late no more; a
+        handover's drain past its deadline is cut (it stays late)."""
+        for name in list(self._late):
+            late, acc = self._late[name], self._accounts[name]
+            if observed.get(name, NOTHING).answered:
+                if late.deadline is not None:  # a handover's drain, answered in time
+                    acc.drain_limit = min(2 * self._drain_limit(name), self.drain_timeout)
+                    self._end_sharing(now)
+                late = self._late.pop(name)  # with its refund, if sharing just ended
+                self._charge(name, now - late.since - late.refund)
+            elif late.deadline is not None and now >= late.deadline:
+                self._late[name] = replace(late, deadline=None)
+                acc.drain_limit = max(self._drain_limit(name) / 2, self._drain_floor)
+                self._end_sharing(now)
 
     def _eligible(self, name: str, slack: float | None = None) -> bool:
         """May start a slice: its credits are not below zero, give or take a
@@ -272,131 +377,175 @@ class SliceScheduler:
         return (self._rates[name][0] > 0 and acc.credit >= -slack
                 and acc.cap_credit >= -1e-9)
 
-    def _waking(self, waiting: Set[str]) -> set[str]:
-        """Those that may take the GPU from its holder at once: eligible (share
+    def _waking(self, holder: str, waiting: Set[str]) -> set[str]:
+        """Those that may take the GPU from `holder` at once: eligible (share
         credit not below a quarter quantum's), waiting after a rest of half a
         quantum (neither launching, waiting nor holding the GPU: a busy
         container whose processes come back to the gate late after its turn,
         on a loaded host, is not waking), and of the holder's priority or
-        higher."""
-        holder = self.holder
-        if holder is None or len(self._overlap) >= MAX_OVERLAP:
+        higher; none while MAX_OVERLAP handover drains run."""
+        if sum(late.deadline is not None for late in self._late.values()) >= MAX_OVERLAP:
             return set()
         prio = self._allot[holder].preempts
         return {n for n in waiting
                 if n != holder and self._accounts[n].rested >= self.quantum * REST_QUANTA
                 and self._eligible(n) and (self._allot[n].preempts or not prio)}
 
-    def _hand_over(self, now: float) -> None:
-        """The holder's gate closes and the GPU goes to a waking container at once:
-        the driver time-slices the two while the holder drains. The holder is
-        charged until its answer is seen (it is late until then); the next one
-        from then on (the overlap is the cost of what the holder had queued)."""
-        holder = self.holder
-        assert holder is not None
-        closed = self._closed_at if self._closed_at is not None else now
-        self._charge_holder(now)
-        self._late[holder] = now
-        self._overlap[holder] = closed + self._drain_limit(holder)
-        self._release(now)
-        self._shared, self._free_until = (holder, now), NEVER
-
-    def _end_shared(self, now: float) -> None:
-        """The span in which a handover's holder and the drain it overlaps shared the
-        GPU has ended (the drainer answered or was cut, or the holder's turn ended):
-        each pays half of it, as the driver's time slicing gives each about half."""
-        if self._shared is None:
-            return
-        drainer, start = self._shared
-        half = (now - start) / 2
-        self._refund[drainer] = self._refund.get(drainer, 0.0) + half
-        if self.holder is not None:
-            self._charge(self.holder, half)
-        self._shared, self._free_until = None, now
-
-    def _charge_holder(self, now: float) -> None:
-        """Charge the holder up to `now` since it was last charged (none of a
-        handover's overlap), and count on from `now`."""
-        if self.holder is None:
-            return
-        since = self._granted_at
-        if self._free_until is not None:
-            since = max(since, min(self._free_until, now))
-        self._charge(self.holder, now - since)
-        self._granted_at = now
-
-    def _release(self, now: float) -> None:
-        """The holder's turn is over (it has answered, or is late): waiting on, it
-        is not waking."""
-        self._end_shared(now)
-        if self.holder is not None:
-            acc = self._accounts[self.holder]
-            acc.rested = 0.0
-            if now - acc.last_active < self.idle_grace:  # busy to the end: a rest starts now
-                acc.last_active = now
-        self.holder, self._closed_at, self._free_until = None, None, None
+    # -- the transitions under policies 0-4, one per state -------------------
 
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
-        nothing = Observation()
         # A container cut before it answered still has work of its own on the GPU:
         # it waits for nothing until it answers.
         waiting = {n for n in self._accounts
-                   if observed.get(n, nothing).waiting and n not in self._late}
-        waking = self._waking(waiting)
-        if waking:
-            self._hand_over(now)
-            return self._grant(now, waiting, among=waking)
-        holder = self.holder
-        if holder is not None and self._closed_at is None:
-            # Who would take the GPU if the holder gave it up: under the
-            # work-conserving policies anyone waiting (idle time is lent).
-            lend = self._config.policy.work_conserving
-            others = {n for n in waiting - {holder}
-                      if self._eligible(n) or (lend and self._rates[n][0] > 0
-                                               and self._accounts[n].cap_credit >= 0)}
-            # Idle: it gave up the GPU as soon as someone else waits or drains.
-            idle = now - self._accounts[holder].last_active >= self.idle_grace
-            preempted = not self._allot[holder].preempts and any(
-                self._allot[n].preempts and self._eligible(n) for n in others)
-            if others:  # no longer alone: a slice for the company it has now
-                self._slice_end = min(self._slice_end, self._granted_at
-                                      + self._slice_length(holder))
-            ended = now >= self._slice_end
-            if ended:  # charge the slice so far: is there credit for another?
-                self._charge_holder(now)
-            if not (preempted or (others and ended) or (idle and (others or self._late))
-                    or (ended and not self._eligible(holder, slack=1e-9))):
-                if ended:  # nobody else may take it: a new slice, no drain
-                    company = self._active - {holder}
-                    alone = LONE_SLICE if self._rates[holder][0] >= 1 else \
-                        self.quantum * MAX_QUANTA
-                    self._slice_end = now + (self._slice_length(holder) if company else alone)
-                wake_at = self._slice_end
-                if others or self._late:
-                    wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
-                return self._decision(frozenset({holder}), wake_at)
-            # Closed now: the answers in `observed` predate this close.
-            self._closed_at = now
-            return self._decision(frozenset(), now + self._drain_limit(holder))
-        if holder is not None and self._closed_at is not None:
-            seen = observed.get(holder, nothing)
-            acc = self._accounts[holder]
-            limit = self._drain_limit(holder)
-            if not seen.answered and now < self._closed_at + limit:  # as wake_at is
-                return self._decision(frozenset(), self._closed_at + limit)
-            # Charged until its answer is seen: what it queued ran past the slice's
-            # end, and the time it took to say so kept the GPU from the others. The
-            # drain time the answer names is the processes' own claim: one dated
-            # early would make the others pay for a late answer.
-            self._charge_holder(now)
-            if seen.answered:
-                acc.drain_limit = min(2 * limit, self.drain_timeout)
-            else:  # cut: charged on until it answers, and not granted before
-                self._late[holder] = now
-                acc.drain_limit = max(limit / 2, self._drain_floor)
-                waiting.discard(holder)
-            self._release(now)
+                   if observed.get(n, NOTHING).waiting and n not in self._late}
+        state = self._state
+        if isinstance(state, Holding | Draining):
+            waking = self._waking(state.holder, waiting)
+            if waking:
+                self._hand_over(state, now)
+                return self._grant(now, waiting, among=waking, sharing=state.holder)
+        if isinstance(state, Holding):
+            return self._holding(state, now, waiting)
+        if isinstance(state, Draining):
+            return self._draining(state, now, observed, waiting)
+        self._state = IDLE  # from Native too: a new policy
         return self._grant(now, waiting)
+
+    def _hand_over(self, turn: Turn, now: float) -> None:
+        """Handover: the holder's gate closes and the GPU goes to a waking container
+        at once: the driver time-slices the two while the holder drains. The holder
+        is charged until its answer is seen (it is late until then); the next one
+        from then on (the overlap is the cost of what the holder had queued)."""
+        closed = turn.closed_at if isinstance(turn, Draining) else now
+        self._end_turn(turn, now)
+        self._late[turn.holder] = Late(since=now,
+                                       deadline=closed + self._drain_limit(turn.holder))
+
+    def _holding(self, turn: Holding, now: float, waiting: Set[str]) -> SliceDecision:
+        """Holding: the slice goes on, is renewed (nobody else may take the GPU) or
+        ends (the gate closes: Draining)."""
+        holder = turn.holder
+        # Who would take the GPU if the holder gave it up: under the
+        # work-conserving policies anyone waiting (idle time is lent).
+        lend = self._config.policy.work_conserving
+        others = {n for n in waiting - {holder}
+                  if self._eligible(n) or (lend and self._rates[n][0] > 0
+                                           and self._accounts[n].cap_credit >= 0)}
+        # Idle: it gave up the GPU as soon as someone else waits or drains.
+        idle = now - self._accounts[holder].last_active >= self.idle_grace
+        preempted = not self._allot[holder].preempts and any(
+            self._allot[n].preempts and self._eligible(n) for n in others)
+        if others:  # no longer alone: a slice for the company it has now
+            turn = replace(turn, slice_end=min(turn.slice_end, turn.slice_start
+                                               + self._slice_length(holder)))
+        ended = now >= turn.slice_end
+        if ended:  # charge the slice so far: is there credit for another?
+            turn = replace(turn, paid_to=self._pay(turn, now))
+        if (preempted or (others and ended) or (idle and (others or self._late))
+                or (ended and not self._eligible(holder, slack=1e-9))):
+            # Closed now: the answers in `observed` predate this close.
+            self._state = Draining(holder, closed_at=now, paid_to=turn.paid_to,
+                                   sharing=turn.sharing)
+            return self._decision(frozenset(), now + self._drain_limit(holder))
+        if ended:  # nobody else may take it: a new slice, no drain
+            company = self._active - {holder}
+            alone = LONE_SLICE if self._rates[holder][0] >= 1 else self.quantum * MAX_QUANTA
+            turn = replace(turn, slice_start=now,
+                           slice_end=now + (self._slice_length(holder) if company else alone))
+        self._state = turn
+        wake_at = turn.slice_end
+        if others or self._late:
+            wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
+        return self._decision(frozenset({holder}), wake_at)
+
+    def _draining(self, turn: Draining, now: float, observed: Mapping[str, Observation],
+                  waiting: set[str]) -> SliceDecision:
+        """Draining: the holder's answer is awaited until its drain limit; then (cut
+        or not) its turn ends and the GPU is granted in the same step."""
+        holder = turn.holder
+        seen = observed.get(holder, NOTHING)
+        acc = self._accounts[holder]
+        limit = self._drain_limit(holder)
+        if not seen.answered and now < turn.closed_at + limit:  # as wake_at is
+            return self._decision(frozenset(), turn.closed_at + limit)
+        # Charged until its answer is seen: what it queued ran past the slice's
+        # end, and the time it took to say so kept the GPU from the others. The
+        # drain time the answer names is the processes' own claim: one dated
+        # early would make the others pay for a late answer.
+        self._end_turn(turn, now)
+        if seen.answered:
+            acc.drain_limit = min(2 * limit, self.drain_timeout)
+        else:  # cut: charged on until it answers, and not granted before
+            self._late[holder] = Late(since=now)
+            acc.drain_limit = max(limit / 2, self._drain_floor)
+            waiting.discard(holder)
+        return self._grant(now, waiting)
+
+    def _native(self, now: float, dt: float) -> SliceDecision:
+        """Native (policy 5): every gate open, but a capped container's only while its
+        cap credit lasts. It is charged the time its gate was open while it was
+        active, and after each close until its drain answer: the time it had
+        work on the GPU (an upper bound of its GPU time, which the driver's
+        own time slicing hides)."""
+        state = self._state
+        if isinstance(state, Holding | Draining):  # a new policy ends the turn
+            self._end_turn(state, now)
+        was_open = state.open if isinstance(state, Native) else frozenset()
+        open_: set[str] = set()
+        wake_at = NEVER
+        for name, acc in self._accounts.items():
+            cap = self._rates[name][1]
+            if name in was_open and name in self._active:
+                acc.used += dt
+                if cap < 1:
+                    acc.cap_credit -= dt
+            if cap >= 1 or (acc.cap_credit >= 0 and name not in self._late):
+                open_.add(name)
+                if cap < 1:  # when it would run out, charged all along
+                    wake_at = min(wake_at, now + max(acc.cap_credit / (1 - cap), self.idle_grace))
+                continue
+            if name in was_open:
+                self._late[name] = Late(since=now)  # charged on until its drain answer
+            if cap > 0:
+                wake_at = min(wake_at, now + max(-acc.cap_credit / cap, self.idle_grace))
+        self._state = Native(frozenset(open_))
+        return self._decision(frozenset(open_), wake_at)
+
+    # -- what the transitions share -------------------------------------------
+
+    def _pay(self, turn: Turn, now: float) -> float:
+        """Charge `turn`'s holder since it last paid (nothing of a span it still
+        shares); what it has paid up to now."""
+        if turn.sharing is not None:
+            return turn.paid_to
+        self._charge(turn.holder, now - turn.paid_to)
+        return now
+
+    def _end_sharing(self, now: float) -> None:
+        """The span in which a handover's holder and the drain it overlaps shared the
+        GPU has ended (a handover's drain answered or was cut, or the holder's turn
+        ended): each pays half of it, as the driver's time slicing gives each about
+        half."""
+        turn = self._state
+        if not isinstance(turn, Holding | Draining) or turn.sharing is None:
+            return
+        half = (now - turn.paid_to) / 2
+        drainer = self._late.get(turn.sharing)
+        if drainer is not None:
+            self._late[turn.sharing] = replace(drainer, refund=drainer.refund + half)
+        self._charge(turn.holder, half)
+        self._state = replace(turn, paid_to=now, sharing=None)
+
+    def _end_turn(self, turn: Turn, now: float) -> None:
+        """The holder's turn is over (it has answered, is late, or the GPU is handed
+        over): charged up to now, and Idle. Waiting on, it is not waking."""
+        self._state = replace(turn, paid_to=self._pay(turn, now))
+        self._end_sharing(now)
+        acc = self._accounts[turn.holder]
+        acc.rested = 0.0
+        if now - acc.last_active < self.idle_grace:  # busy to the end: a rest starts now
+            acc.last_active = now
+        self._state = IDLE
 
     def _drain_limit(self, name: str) -> float:
         """How long `name`'s drain may take: `drain_timeout`, halved at each cut
@@ -430,9 +579,11 @@ class SliceScheduler:
         ratio = self._rates[name][0] / smallest if smallest > 0 else 1.0
         return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
 
-    def _grant(self, now: float, waiting: Set[str], among: Set[str] | None = None
-               ) -> SliceDecision:
-        """The GPU to the most owed of `among` (by default: of those waiting)."""
+    def _grant(self, now: float, waiting: Set[str], among: Set[str] | None = None,
+               sharing: str | None = None) -> SliceDecision:
+        """Idle: the GPU to the most owed of `among` (by default: of those waiting),
+        or to nobody yet. After a handover, the new holder shares the GPU with
+        the drain of the one it was handed over by (`sharing`)."""
         self._settle(waiting)
         candidates = [n for n in (waiting if among is None else among) if self._eligible(n)]
         if candidates:
@@ -442,10 +593,11 @@ class SliceScheduler:
             chosen = max(pool, key=lambda n: (self._accounts[n].credit / self._rates[n][0], n))
             for name in waiting:  # passed over, or granted: none of them is waking now
                 self._accounts[name].rested = 0.0
-            self.holder = chosen
-            self._granted_at, self._slice_end = now, now + self._slice_length(chosen)
+            self._state = Holding(chosen, slice_start=now,
+                                  slice_end=now + self._slice_length(chosen), paid_to=now,
+                                  sharing=sharing)
             self._accounts[chosen].last_active = now
-            wake_at = self._slice_end
+            wake_at = self._state.slice_end
             if len(waiting) > 1 or self._late:  # when it may give the GPU up idle
                 wake_at = min(wake_at, now + self.idle_grace)
             return self._decision(frozenset({chosen}), wake_at)
@@ -462,36 +614,9 @@ class SliceScheduler:
             wake_at = min(wake_at, now + need)
         return self._decision(frozenset(), wake_at)
 
-    def _native(self, now: float, dt: float) -> SliceDecision:
-        """Policy 5: every gate open, but a capped container's only while its cap
-        credit lasts. It is charged the time its gate was open while it was
-        active, and after each close until its drain answer: the time it had
-        work on the GPU (an upper bound of its GPU time, which the driver's
-        own time slicing hides)."""
-        self.holder, self._closed_at = None, None
-        open_: set[str] = set()
-        wake_at = NEVER
-        for name, acc in self._accounts.items():
-            cap = self._rates[name][1]
-            was_open = name in self._native_open
-            if was_open and name in self._active:
-                acc.used += dt
-                if cap < 1:
-                    acc.cap_credit -= dt
-            if cap >= 1 or (acc.cap_credit >= 0 and name not in self._late):
-                open_.add(name)
-                if cap < 1:  # when it would run out, charged all along
-                    wake_at = min(wake_at, now + max(acc.cap_credit / (1 - cap), self.idle_grace))
-                continue
-            if was_open:
-                self._late[name] = now  # charged on until its drain answer
-            if cap > 0:
-                wake_at = min(wake_at, now + max(-acc.cap_credit / cap, self.idle_grace))
-        self._native_open = frozenset(open_)
-        return self._decision(frozenset(open_), wake_at)
-
     def _decision(self, open_: frozenset[str], wake_at: float) -> SliceDecision:
-        wake_at = min((wake_at, *self._overlap.values()))  # when a handover's drain is cut
+        deadlines = (late.deadline for late in self._late.values() if late.deadline is not None)
+        wake_at = min((wake_at, *deadlines))  # when a handover's drain is cut
         return SliceDecision(open=open_, holder=self.holder, wake_at=wake_at,
                              shares=dict(self._shares))
 
