@@ -1,0 +1,183 @@
+"""The slice scheduler's states and transitions, one step at a time.
+
+Pure: each test steps a `SliceScheduler` at chosen times with chosen
+observations and looks at `state` (and `late_record`) after each, as the
+module docstring's table names them. No model, no clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cgpu_km.sched import ContainerSpec, GpuConfig, Observation, Policy, SliceScheduler
+from cgpu_km.sched.slices import LONE_SLICE, Draining, Holding, Idle, Late, Native, State
+
+W = ContainerSpec
+WAITING = Observation(waiting=True)
+SILENT = Observation(waiting=True, answered=False)
+
+
+def scheduler(*names: str, policy: Policy = Policy.PREEMPTIVE, **kw: float) -> SliceScheduler:
+    config = GpuConfig(policy=policy, containers={n: W(1) for n in names})
+    return SliceScheduler(config, quantum=0.02, drain_timeout=0.1, **kw)
+
+
+def state(s: SliceScheduler) -> State:
+    return s.state  # a call: each look is a new value to the type checker
+
+
+def late(s: SliceScheduler, name: str) -> tuple[object, ...]:
+    """`name`'s Late record as a tuple (to compare with pytest.approx)."""
+    record = s.late_record(name)
+    assert record is not None, f"{name} is not late"
+    return record.since, record.deadline, record.refund
+
+
+def busy(launches: int) -> Observation:
+    return Observation(waiting=True, launches=launches)
+
+
+def draining_b() -> SliceScheduler:
+    """b granted at 0 beside a (both waiting: passed over, a is not waking), its
+    slice closed at 0.02."""
+    s = scheduler("a", "b")
+    assert s.step(0.0, {"a": WAITING, "b": WAITING}).holder == "b"  # the same credit: by name
+    s.step(0.02, {"a": WAITING, "b": busy(1)})
+    assert state(s) == Draining("b", closed_at=0.02, paid_to=0.02)
+    return s
+
+
+def test_idle_until_someone_waits_then_holding() -> None:
+    s = scheduler("a")
+    assert state(s) == Idle()
+    assert s.step(0.0, {}).open == frozenset()
+    assert state(s) == Idle()
+    s.step(0.01, {"a": WAITING})
+    assert state(s) == Holding("a", slice_start=0.01, slice_end=0.03, paid_to=0.01)
+
+
+def test_a_lone_holder_is_renewed_without_a_drain() -> None:
+    s = scheduler("a")
+    s.step(0.0, {"a": WAITING})
+    decision = s.step(0.02, {"a": busy(1)})
+    assert decision.open == {"a"}
+    assert state(s) == Holding("a", slice_start=0.02, slice_end=0.02 + LONE_SLICE, paid_to=0.02)
+    assert s.used()["a"] == pytest.approx(0.02), "the slice so far is paid at its end"
+
+
+def test_a_slice_with_company_ends_in_a_drain() -> None:
+    s = draining_b()
+    decision = s.step(0.03, {"a": WAITING, "b": SILENT})
+    assert decision.open == frozenset(), "nobody runs while the holder drains"
+    assert decision.wake_at == pytest.approx(0.12), "at the drain limit"
+    assert s.holder == "b"
+    assert s.draining
+
+
+def test_an_answer_ends_the_drain_and_grants_in_the_same_step() -> None:
+    s = draining_b()
+    decision = s.step(0.025, {"a": WAITING, "b": Observation(waiting=True, launches=1)})
+    assert decision.open == {"a"}
+    assert state(s) == Holding("a", slice_start=0.025, slice_end=0.045, paid_to=0.025)
+    assert s.late == frozenset()
+    assert s.used()["b"] == pytest.approx(0.025), "charged until its answer was seen"
+
+
+def test_a_drain_past_its_limit_is_cut_and_late() -> None:
+    s = draining_b()
+    limit = s.step(0.03, {"a": WAITING, "b": SILENT}).wake_at
+    s.step(limit, {"a": WAITING, "b": SILENT})
+    assert s.holder == "a"
+    assert s.late_record("b") == Late(since=limit)
+    s.step(0.13, {"a": busy(1), "b": Observation(waiting=True, launches=1)})
+    assert s.late_record("b") is None
+    assert s.used()["b"] == pytest.approx(0.13)
+
+
+def handed_over() -> SliceScheduler:
+    """a holds from 0; b, rested, wakes at 0.005 and takes the GPU at once."""
+    s = scheduler("a", "b")
+    s.step(0.0, {"a": WAITING})
+    s.step(0.005, {"a": busy(3), "b": WAITING})
+    return s
+
+
+def test_a_waking_container_takes_the_gpu_and_shares_it_with_the_drain() -> None:
+    s = handed_over()
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.005,
+                              sharing="a")
+    # a's drain is cut at its drain limit after the close
+    assert late(s, "a") == (0.005, pytest.approx(0.105), 0.0)
+    assert s.used() == {"a": pytest.approx(0.005), "b": 0.0}
+
+
+def test_the_drainers_answer_ends_the_shared_span() -> None:
+    s = handed_over()
+    s.step(0.009, {"a": Observation(waiting=True, launches=3), "b": busy(2)})
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.009)
+    assert s.late == frozenset()
+    assert s.used() == {"a": pytest.approx(0.007), "b": pytest.approx(0.002)}
+
+
+def test_a_handover_drain_past_its_deadline_is_cut_and_stays_late() -> None:
+    s = handed_over()
+    record = s.late_record("a")
+    assert record is not None
+    assert record.deadline is not None
+    s.step(record.deadline, {"a": SILENT, "b": busy(2)})
+    assert late(s, "a") == (0.005, None, pytest.approx(0.05))
+    assert s.holder == "b"
+    assert getattr(state(s), "sharing", "?") is None, "the shared span ended at the cut"
+
+
+def test_the_holders_turn_ending_first_leaves_the_drainer_its_refund() -> None:
+    s = handed_over()
+    s.step(0.01, {"a": SILENT, "b": busy(2)})
+    # b stops launching: idle beside a late container, it gives the GPU up
+    s.step(0.013, {"a": SILENT, "b": Observation(launches=2)})
+    assert state(s) == Draining("b", closed_at=0.013, paid_to=0.005, sharing="a")
+    s.step(0.015, {"a": SILENT, "b": Observation(launches=2)})
+    assert state(s) == Idle()
+    assert late(s, "a") == (0.005, pytest.approx(0.105), pytest.approx(0.005))
+    assert s.used()["b"] == pytest.approx(0.005), "half of the 10 ms it shared"
+
+
+def test_native_keeps_the_open_gates_as_its_state() -> None:
+    config = GpuConfig(policy=Policy.NATIVE, containers={"a": W(1, util_limit=50), "b": W(1)})
+    s = SliceScheduler(config)
+    s.step(0.0, {})
+    assert state(s) == Native(frozenset({"a", "b"}))
+
+
+def test_a_switch_to_native_ends_the_turn_charged() -> None:
+    s = scheduler("a")
+    s.step(0.0, {"a": WAITING})
+    s.configure(GpuConfig(policy=Policy.NATIVE, containers=s.config.containers))
+    s.step(0.01, {"a": busy(1)})
+    assert state(s) == Native(frozenset({"a"}))
+    assert s.used()["a"] == pytest.approx(0.01)
+
+
+def test_a_switch_back_from_native_starts_idle() -> None:
+    config = GpuConfig(policy=Policy.NATIVE, containers={"a": W(1)})
+    s = SliceScheduler(config)
+    s.step(0.0, {})
+    s.configure(GpuConfig(policy=Policy.WEIGHTED, containers=config.containers))
+    assert s.step(0.01, {}).open == frozenset()
+    assert state(s) == Idle()
+
+
+def test_a_drainer_removed_mid_handover_ends_the_shared_span() -> None:
+    s = handed_over()
+    s.step(0.009, {"a": SILENT, "b": busy(2)})
+    s.configure(GpuConfig(policy=Policy.PREEMPTIVE, containers={"b": W(1)}))
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.009)
+    assert s.used()["b"] == pytest.approx(0.002), "half of the 4 ms it shared"
+
+
+def test_a_removed_holder_leaves_the_gpu_idle() -> None:
+    s = scheduler("a", "b")
+    s.step(0.0, {"a": WAITING})
+    s.configure(GpuConfig(policy=Policy.PREEMPTIVE, containers={"b": W(1)}))
+    assert state(s) == Idle()
+    assert s.holder is None
