@@ -37,15 +37,20 @@ MAX_OVERLAP handover drains run at once.
 States: the GPU is in one of these (`SliceScheduler.state`, frozen values;
 each step goes through the one transition function of the present state)::
 
-              grant                       slice over: close
-    +------+ -------> +---------+ -----------------------> +----------+
-    | Idle |          | Holding | <-+ renewed (alone,      | Draining |
-    +------+ <------- +---------+ --+ credit left)         +----------+
-       ^   nobody         |  ^                                |  |
-       |   eligible       |  | handover: to a waking one      |  |
-       |                  +--+ (the holder becomes late)  <---+  |
-       +---------------------------------------------------------+
-                     answered, or cut at the drain limit (late)
+                grant                      its slice ends: close
+    +------+ ----------> +---------+ -------------------------> +----------+
+    | Idle |             | Holding |                            | Draining |
+    +------+             +---------+ <------------------------- +----------+
+        ^                  |     ^     handover: a container wakes    |
+        |                  +-----+     (from Holding too)             |
+        |              renewed, or handover                           |
+        +-------------------------------------------------------------+
+          it answers, or its drain limit cuts it (then it is late);
+          the GPU is granted in the same step
+
+    +--------+
+    | Native |  policy 5, stepped by `_native`; another policy: Idle
+    +--------+
 
     state     gates open     left when                            for
     Idle      none           someone waiting is eligible          Holding
