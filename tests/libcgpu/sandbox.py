@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,20 @@ def start_time(pid: int) -> int | None:
 def local_alive(view: region_mod.ProcView) -> bool:
     """Whether a slot's process runs, in this (the tests') pid namespace."""
     return start_time(view.pid) == view.start_time
+
+
+def wait_in_syscall(pid: int, tid: int, number: int, what: str, timeout: float = 10,
+                    running: Callable[[], bool] = lambda: True) -> None:
+    """Wait until thread `tid` of `pid` sleeps in syscall `number` (as /proc shows it):
+    the event of a thread being parked there, where a sleep would only be a time in
+    which it was not yet woken. AssertionError once `running()` is false, or after
+    `timeout` (a hang guard)."""
+    syscall = Path(f"/proc/{pid}/task/{tid}/syscall")
+    deadline = time.monotonic() + timeout
+    while syscall.read_text().split()[:1] != [str(number)]:
+        assert running(), f"{what}: it went on instead"
+        assert time.monotonic() < deadline, f"{what}: it never went to sleep"
+        time.sleep(0.01)
 
 
 @dataclass(frozen=True)

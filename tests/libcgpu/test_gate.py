@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cgpu_km.dataplane import region as region_mod
-from tests.libcgpu.sandbox import HERE, UUID, Sandbox
+from tests.libcgpu.sandbox import HERE, UUID, Sandbox, wait_in_syscall
 
 LAUNCHES = {
     "cuLaunchKernel": ["launch", "1", "sleep_0"],
@@ -44,18 +44,21 @@ def start(sandbox: Sandbox, path: str, launch: list[str]) -> subprocess.Popen[st
 FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 
 
-def wait_parked(proc: subprocess.Popen[str], timeout: float = 10) -> None:
+def wait_parked(proc: subprocess.Popen[str]) -> None:
     """Wait until the launching (main) thread sleeps in futex(2): libcgpu's wait at a
     closed gate is a FUTEX_WAIT on the gate word, so this is the event of the launch
-    being held, where a sleep would only be a time in which it was not let through."""
+    being held."""
     if FUTEX is None:
         pytest.skip(f"futex(2)'s number on {platform.machine()} is not known here")
-    syscall = Path(f"/proc/{proc.pid}/syscall")
-    deadline = time.monotonic() + timeout
-    while syscall.read_text().split()[:1] != [str(FUTEX)]:
-        assert proc.poll() is None, "the launch went through a closed gate"
-        assert time.monotonic() < deadline, "the launch never waited at the gate"
-        time.sleep(0.01)
+    wait_in_syscall(proc.pid, proc.pid, FUTEX, "the launch at a closed gate",
+                    running=lambda: proc.poll() is None)
+
+
+def rechecks(proc: subprocess.Popen[str]) -> int:
+    """How often the launching (main) thread has gone to sleep: at a closed gate, once
+    per re-check of the heartbeat (libcgpu's FUTEX_WAIT times out at least every 100 ms)."""
+    status = Path(f"/proc/{proc.pid}/task/{proc.pid}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
 
 
 def go(proc: subprocess.Popen[str]) -> None:
@@ -126,7 +129,21 @@ def test_gate_fails_open_when_the_daemon_stops(sandbox: Sandbox) -> None:
     region.set_gate(0, False)
     go(proc)
     wait_pending(region, 1)
-    time.sleep(0.5)
+    wait_parked(proc)
+    # Held past the gate timeout by fresh heartbeats: once the heartbeat is stamped later
+    # than the timeout after the launch began waiting, the launch re-checks it (a new
+    # sleep after a wake-up) and sleeps again instead of going through.
+    past_timeout = time.monotonic_ns() + region.gate_timeout_ns
+    deadline = time.monotonic() + 30  # a hang guard only
+    while region.heartbeat_ns < past_timeout:
+        assert time.monotonic() < deadline, "the heartbeat stopped"
+        time.sleep(0.01)
+    woken = rechecks(proc)
+    while rechecks(proc) == woken:
+        assert proc.poll() is None, "a fresh heartbeat keeps the gate closed"
+        assert time.monotonic() < deadline, "the launch never re-checked the heartbeat"
+        time.sleep(0.01)
+    wait_parked(proc)
     assert proc.poll() is None, "a fresh heartbeat keeps the gate closed"
     stopped = time.monotonic()
     sandbox.stop_heartbeat()

@@ -169,7 +169,13 @@ def test_killed_process_frees_its_share(sandbox: Sandbox) -> None:
     region = sandbox.make_region(limit)
     racers = [sandbox.popen([str(sandbox.built.workload), "race", "100000000",
                              str(MiB), str(limit)]) for _ in range(4)]
-    time.sleep(0.5)
+    # kill them racing: once each has been seen holding some of the share
+    holding: set[int] = set()
+    deadline = time.monotonic() + 30  # a hang guard only
+    while len(holding) < len(racers):
+        holding |= {view.pid for view in region.processes() if view.mem[0]}
+        assert time.monotonic() < deadline, f"{len(holding)} of the racers allocated"
+        time.sleep(0.005)
     for proc in racers:
         proc.send_signal(signal.SIGKILL)
     # once dead (zombies, not waited for yet) they no longer count

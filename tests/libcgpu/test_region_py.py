@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from cgpu_km.dataplane import futex
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.dataplane.region import GpuSpec, Region, RegionError
-from tests.libcgpu.sandbox import local_alive, start_time
+from tests.libcgpu.sandbox import local_alive, start_time, wait_in_syscall
 
 
 def make(tmp_path: Path, **kw: object) -> Region:
@@ -142,23 +142,29 @@ def test_a_grant_wakes_a_futex_waiter(tmp_path: Path) -> None:
         assert not r.gate_is_open(1)
         address = r._gate_address(1)
         libc = ctypes.CDLL(None, use_errno=True)
-        woke: list[float] = []
+        tids: list[int] = []
+        woke: list[tuple[float, int]] = []
 
         def waiter() -> None:
+            tids.append(threading.get_native_id())
             timeout = (ctypes.c_long * 2)(10, 0)
-            libc.syscall(ctypes.c_long(region_mod._SYS_FUTEX), ctypes.c_void_p(address),
-                         ctypes.c_int(0), ctypes.c_int(region_mod.GATE_CLOSED), timeout, None,
-                         ctypes.c_int(0))
-            woke.append(time.monotonic())
+            rc = libc.syscall(ctypes.c_long(region_mod._SYS_FUTEX), ctypes.c_void_p(address),
+                              ctypes.c_int(0), ctypes.c_int(region_mod.GATE_CLOSED), timeout,
+                              None, ctypes.c_int(0))
+            woke.append((time.monotonic(), rc))
 
         thread = threading.Thread(target=waiter)
         thread.start()
-        time.sleep(0.2)
+        while not tids:
+            time.sleep(0.001)
+        wait_in_syscall(os.getpid(), tids[0], region_mod._SYS_FUTEX, "FUTEX_WAIT on the gate",
+                        running=thread.is_alive)
         opened = time.monotonic()
         r.set_gate(1, True, 1234)
-        thread.join(timeout=5)
-        assert woke
-        assert woke[0] - opened < 2
+        thread.join(timeout=30)
+        # 0: woken (its own 10 s timeout would give -1, ETIMEDOUT)
+        assert [rc for _, rc in woke] == [0]
+        print(f"woke {woke[0][0] - opened:.4f} s after the open")
         assert r.gate_is_open(1)
         assert r.grant_ns(1) == 1234
 
@@ -169,20 +175,26 @@ def test_a_close_bumps_close_seq_and_wakes_watchers(tmp_path: Path) -> None:
         r.set_gate(0, True)  # no change: no close
         assert (r.close_seq(0), r._control.wake) == (0, wake)
         address = ctypes.addressof(r._control) + region_mod.ControlLayout.wake.offset
-        woke: list[float] = []
+        tids: list[int] = []
+        woke: list[tuple[float, int]] = []
 
         def watch() -> None:
-            futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10)
-            woke.append(time.monotonic())
+            tids.append(threading.get_native_id())
+            index = futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10)
+            woke.append((time.monotonic(), index))
 
         thread = threading.Thread(target=watch)
         thread.start()
-        time.sleep(0.1)
+        while not tids:
+            time.sleep(0.001)
+        wait_in_syscall(os.getpid(), tids[0], futex._SYS_FUTEX_WAITV, "futex_waitv on wake",
+                        running=thread.is_alive)
         closed = time.monotonic()
         r.set_gate(0, False)
-        thread.join(timeout=5)
-        assert woke, "the close woke the watcher (its own deadline is 10 s away)"
-        print(f"woke {woke[0] - closed:.4f} s after the close")
+        thread.join(timeout=30)
+        # index 0: the word woke it (its own deadline, 10 s away, gives -1)
+        assert [index for _, index in woke] == [0], "the close woke the watcher"
+        print(f"woke {woke[0][0] - closed:.4f} s after the close")
         assert r.close_seq(0) == 1
         assert r.close_seq(1) == 0
         assert r.grant_ns(0) == 0
