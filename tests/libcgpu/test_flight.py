@@ -1,7 +1,9 @@
 """The in-flight bound on simgpu with its default launch queue (1024 per stream):
 a process keeps at most about `max_inflight` launches, and about 4 ms of
 work, queued per stream, on every kind of stream, so a closed gate takes
-effect within a few kernels."""
+effect within a few kernels. What is queued is counted (an event behind each
+launch, not yet complete as the launch loop ends), never timed; the times
+are printed, and `make bench` has them side by side (tests/bench/deadlines.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ BOUND = region_mod.DEFAULT_MAX_INFLIGHT
 
 def queue(sandbox: Sandbox, count: int, where: str = "null", *ops: str, managed: bool = True,
           **env: str) -> dict[str, float]:
-    """Run `workload [OPS] queue COUNT sleep_<5 ms> WHERE`; its issue and sync milliseconds."""
+    """Run `workload [OPS] queue COUNT sleep_<5 ms> WHERE`; its issue and sync
+    milliseconds, and how many launches were queued (not complete) as its loop ended."""
     args = [str(sandbox.built.workload), *ops, "queue", str(count), f"sleep_{KERNEL_MS * 1000}",
             where]
     result = subprocess.run(args, env=sandbox.env(preload=managed, region=managed, **env),
@@ -27,33 +30,37 @@ def queue(sandbox: Sandbox, count: int, where: str = "null", *ops: str, managed:
     assert result.returncode == 0, result.stdout + result.stderr
     assert all(rc == 0 for _, rc in sandbox.rcs(result.stdout)), result.stdout
     line = result.stdout.splitlines()[-1]
+    print(line)
     fields = dict(item.split("=") for item in line.split()[3:])
     return {key: float(value) for key, value in fields.items()}
+
+
+# With the bound's 4 ms of work, 5 ms kernels leave two launches queued at most (the
+# bound keeps at least two); the count bound alone allows BOUND - 1; without a bound,
+# 40 launches issue long before the first few kernels end.
+FEW = 2
+MANY = BOUND
 
 
 @pytest.mark.parametrize("where", ["null", "ptsz", "perthread", "stream", "launchex", "graph"])
 def test_queue_is_bounded_on_every_stream_kind(sandbox: Sandbox, where: str) -> None:
     sandbox.make_region(0)
     got = queue(sandbox, 40, where)
-    # what is still queued when the loop ends drains in the sync: 5 ms kernels are long,
-    # so about 4 ms of them (two launches at least), not BOUND
-    assert got["sync_ms"] < 4 * KERNEL_MS, got
-    assert got["issue_ms"] > (40 - 4) * KERNEL_MS, got
+    assert got["queued"] <= FEW, got
 
 
 def test_zero_means_unbounded_and_env_overrides(sandbox: Sandbox) -> None:
     region = sandbox.make_region(0)
     assert region.gpu_spec(0).max_inflight == BOUND
     unbounded = queue(sandbox, 40, CGPU_MAX_INFLIGHT="0")
-    assert unbounded["issue_ms"] < 50, unbounded
-    assert unbounded["sync_ms"] > 150, unbounded
+    assert unbounded["queued"] >= MANY, unbounded
     tight = queue(sandbox, 40, CGPU_MAX_INFLIGHT="4")
-    assert tight["sync_ms"] < 6 * KERNEL_MS, tight
+    assert tight["queued"] <= FEW, tight
     region_mod.Region.create(sandbox.region_path, "ctr-test",
                              [region_mod.GpuSpec(0, UUID, 0, 0, max_inflight=0)],
                              gates_open=True).close()
     live = queue(sandbox, 40)
-    assert live["sync_ms"] > 150, live
+    assert live["queued"] >= MANY, live
     with pytest.raises(region_mod.RegionError, match="max_inflight must be"):
         region_mod.Region.create(sandbox.region_path, "ctr-test",
                                  [region_mod.GpuSpec(0, UUID, 0, 0, max_inflight=-1)])
@@ -63,7 +70,7 @@ def test_streams_and_contexts_come_and_go(sandbox: Sandbox) -> None:
     sandbox.make_region(0)
     # 700 streams (more than libcgpu's table holds at once) and 70 contexts destroyed
     got = queue(sandbox, 40, "stream", "churn", "700")
-    assert got["sync_ms"] < (BOUND + 4) * KERNEL_MS, got
+    assert got["queued"] < BOUND, got
 
 
 def test_waiting_for_the_gpu_counts_as_pending(sandbox: Sandbox) -> None:
@@ -71,12 +78,10 @@ def test_waiting_for_the_gpu_counts_as_pending(sandbox: Sandbox) -> None:
     proc = sandbox.popen([str(sandbox.built.workload), "queue", "200",
                           f"sleep_{KERNEL_MS * 1000}", "null"])
     try:
-        seen = 0
-        deadline = time.monotonic() + 0.8
-        while time.monotonic() < deadline:
-            seen = max(seen, region.activity(0).pending)
-            time.sleep(0.01)
-        assert seen >= 1, "a launch waiting for the GPU should count as pending"
+        # 200 launches of 5 ms against a bound of a few: it waits for the GPU for 1 s
+        while region.activity(0).pending == 0:
+            assert proc.poll() is None, "a launch waiting for the GPU should count as pending"
+            time.sleep(0.002)
     finally:
         proc.communicate(timeout=30)
     assert proc.returncode == 0
@@ -94,11 +99,14 @@ def test_closed_gate_drains_within_a_few_kernels(sandbox: Sandbox, bound: int) -
     proc = sandbox.popen([str(sandbox.built.workload), "queue", "150",
                           f"sleep_{KERNEL_MS * 1000}", "null"])
     try:
-        time.sleep(0.3)
+        # the flood under way: more launched than the bound lets be queued
+        while region.activity(0).launches < 2 * BOUND:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.002)
         closed = time.monotonic_ns()
         region.set_gate(0, False)
         seq = region.close_seq(0)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a hang guard only
         while True:
             # a process that exits first answers nothing: its work ended with it
             if proc.poll() is not None:
@@ -115,7 +123,8 @@ def test_closed_gate_drains_within_a_few_kernels(sandbox: Sandbox, bound: int) -
     finally:
         region.set_gate(0, True)
         proc.communicate(timeout=30)
-    if bound:
-        assert drained_ms < (bound + 4) * KERNEL_MS, drained_ms
-    else:
-        assert drained_ms > 300, drained_ms  # about 90 kernels were still queued
+    print(f"max_inflight {bound}: drained {drained_ms:.1f} ms after the close "
+          f"({drained_ms / KERNEL_MS:.1f} kernels of {KERNEL_MS} ms)")
+    if not bound:
+        # more than a bound would have let be queued kept running after the close
+        assert drained_ms >= MANY * KERNEL_MS, drained_ms

@@ -19,7 +19,9 @@
  *                                    ever shows more than LIMIT in use)
  *   bench-launch COUNT NAME  (prints ns per launch)   bench-alloc COUNT BYTES
  *   queue COUNT NAME WHERE   (COUNT launches without waiting, then a sync; prints the
- *                             milliseconds of both: the sync drains what was queued.
+ *                             milliseconds of both: the sync drains what was queued;
+ *                             and queued=N, the launches not complete as the loop ended,
+ *                             counted by an event recorded behind each.
  *                             WHERE: null, ptsz (cuLaunchKernel_ptsz, NULL), perthread
  *                             (CU_STREAM_PER_THREAD), stream (created), launchex, graph
  *                             (a one-kernel graph launched COUNT times))
@@ -280,13 +282,27 @@ static CUresult launch(const char *how, CUfunction f)
     return api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
 }
 
-/* COUNT launches of NAME on WHERE, timed; then the sync, timed. Exported symbols. */
+/* An event recorded behind the launch just made on WHERE's stream. */
+static CUresult mark(CUevent *event, const char *where, CUstream stream)
+{
+    CUresult rc = cuEventCreate(event, CU_EVENT_DISABLE_TIMING);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (strcmp(where, "ptsz") == 0)
+        return cuEventRecord_ptsz(*event, NULL);
+    return cuEventRecord(*event, strcmp(where, "perthread") == 0 ? CU_STREAM_PER_THREAD : stream);
+}
+
+/* COUNT launches of NAME on WHERE, timed and counted; then the sync, timed. Exported
+ * symbols. */
 static CUresult queue_op(unsigned long long count, const char *name, const char *where)
 {
     CUfunction f = function_named(name);
     CUstream stream = NULL;
     CUgraphExec exec = NULL;
-    CUresult rc = f ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+    CUevent *marks = calloc(count ? count : 1, sizeof(*marks));
+    unsigned long long queued = 0;
+    CUresult rc = f && marks ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
     if (rc == CUDA_SUCCESS && (strcmp(where, "stream") == 0 || strcmp(where, "graph") == 0))
         rc = cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
     if (rc == CUDA_SUCCESS && strcmp(where, "graph") == 0) {
@@ -311,15 +327,22 @@ static CUresult queue_op(unsigned long long count, const char *name, const char 
             CUstream s = strcmp(where, "perthread") == 0 ? CU_STREAM_PER_THREAD : stream;
             rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
         }
+        if (rc == CUDA_SUCCESS)
+            rc = mark(&marks[k], where, stream);
     }
     uint64_t t1 = now_ns();
+    for (unsigned long long k = count; k-- > 0 && marks != NULL && marks[k] != NULL;)
+        queued += cuEventQuery(marks[k]) == CUDA_ERROR_NOT_READY;
     if (rc == CUDA_SUCCESS)
         rc = stream != NULL ? cuStreamSynchronize(stream) : cuCtxSynchronize();
     uint64_t t2 = now_ns();
     if (stream != NULL && rc == CUDA_SUCCESS)
         rc = cuStreamDestroy(stream);
-    printf("queue %llu %s issue_ms=%.1f sync_ms=%.1f rc=%d\n", count, where,
-           (double)(t1 - t0) / 1e6, (double)(t2 - t1) / 1e6, (int)rc);
+    for (unsigned long long k = 0; k < count && marks != NULL && marks[k] != NULL; k++)
+        cuEventDestroy(marks[k]);
+    free(marks);
+    printf("queue %llu %s issue_ms=%.1f sync_ms=%.1f queued=%llu rc=%d\n", count, where,
+           (double)(t1 - t0) / 1e6, (double)(t2 - t1) / 1e6, queued, (int)rc);
     return rc;
 }
 
