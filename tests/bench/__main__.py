@@ -15,8 +15,10 @@ again under SIMGPU_SCHED=fifo:
 - latency: an interactive container's request latency beside busy
   neighbours, under no scheduler and policies 1, 2 and 4 (`latency`).
 
-Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu) and
-what libcgpu adds to launches and allocations (libcgpu).
+Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu), what
+libcgpu adds to launches and allocations (libcgpu), and the data plane's
+deadlines, which tests only assert happen: fail open, the in-flight queue, the
+drain after a close (deadlines).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tests.bench import latency, libcgpu_bench
+from tests.bench import deadlines, latency, libcgpu_bench
 from tests.bench.shares import (
     STEADY_AFTER,
     Report,
@@ -52,7 +54,7 @@ ENGINES: tuple[tuple[str, str | None], ...] = (
     ("default engine (SIMGPU_SCHED unset)", None),
     ("SIMGPU_SCHED=fifo", "fifo"),
 )
-PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu")
+PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu", "deadlines")
 # Targets: |error| of the 1:2 ratio, and what switching and caps must keep.
 WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET = 0.05, 0.02, 0.08
 SWITCH_TARGET = 0.95
@@ -322,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     if "libcgpu" in parts:
         libcgpu_bench.main(["--rounds", "3"] if args.quick else [])
+    if "deadlines" in parts:
+        deadlines.main(["--rounds", "1"] if args.quick else [])
     print(f"bench took {time.monotonic() - started_at:.0f} s")
     return 0
 

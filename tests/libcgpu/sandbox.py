@@ -57,6 +57,20 @@ class Built:
     workload: Path
 
 
+def build(out_dir: Path) -> Built:
+    """Make simgpu and libcgpu, and compile the C workload into `out_dir`
+    (subprocess.CalledProcessError, with the compiler's output, if one fails)."""
+    for directory in (SIMGPU, LIBCGPU):
+        subprocess.run(["make", "-s", "-C", str(directory)], check=True, capture_output=True,
+                       text=True)
+    out = out_dir / "workload"
+    subprocess.run(
+        ["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{LIBCGPU / 'include'}",
+         "-o", str(out), str(HERE / "workload.c"), str(SIMGPU / "libcuda.so.1"), "-ldl"],
+        check=True, capture_output=True, text=True)
+    return Built(libcgpu=LIBCGPU / "libcgpu.so", simgpu_dir=SIMGPU, workload=out)
+
+
 class Sandbox:
     """A private simulated GPU and one container region, with workload runners."""
 
