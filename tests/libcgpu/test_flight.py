@@ -88,7 +88,7 @@ def test_waiting_for_the_gpu_counts_as_pending(sandbox: Sandbox) -> None:
 
 
 @pytest.mark.parametrize("bound", [BOUND, 0], ids=["bounded", "unbounded"])
-def test_closed_gate_drains_within_a_few_kernels(sandbox: Sandbox, bound: int) -> None:
+def test_a_closed_gate_drain_is_answered(sandbox: Sandbox, bound: int) -> None:
     """A managed process floods 5 ms kernels; its gate closes; its watcher
     answers once what it had queued has run: a few kernels with the bound."""
     region = region_mod.Region.create(sandbox.region_path, "ctr-test",

@@ -153,7 +153,7 @@ def test_gate_fails_open_when_the_daemon_stops(sandbox: Sandbox) -> None:
           "stopped (gate timeout 0.4 s)")
 
 
-def test_no_heartbeat_releases_within_a_recheck(sandbox: Sandbox) -> None:
+def test_no_heartbeat_releases_at_a_recheck(sandbox: Sandbox) -> None:
     region = sandbox.make_region(1 << 30, gate_timeout_ns=60_000_000_000)
     region.heartbeat()
     proc = start(sandbox, "exported", LAUNCHES["cuLaunchKernel"])
