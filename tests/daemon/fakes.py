@@ -117,7 +117,8 @@ class FakePlane:
         self.egpu_keys: set[Key] = set()
         self.stopped: list[tuple[Key, int]] = []
         self.stopped_with_script: list[bool] = []  # each stop's oom_script
-        self.stop_seconds = 0.0  # a slow stop (an OOM script), in real time
+        self.stops_held: threading.Event | None = None  # a slow stop (an OOM script) ends
+        self.stops_begun = 0  # when this is set
         self.stuck = False  # dispatchers stopped stepping
         self.closed = False
         self.used: dict[int, dict[str, float]] = {}
@@ -173,8 +174,10 @@ class FakePlane:
         return 0
 
     def stop(self, key: Key, pid: int, *, oom_script: bool = True) -> None:
-        if self.stop_seconds:
-            time.sleep(self.stop_seconds)
+        with self._lock:
+            self.stops_begun += 1
+        if self.stops_held is not None:
+            self.stops_held.wait()
         with self._lock:
             self.stopped.append((key, pid))
             self.stopped_with_script.append(oom_script)
