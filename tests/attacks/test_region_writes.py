@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.dataplane import futex
 from cgpu_km.dataplane import region as region_mod
 from tests.attacks.node import MIB, NOBODY, SETPRIV, Node, fields, missing, wait_for
+from tests.libcgpu.sandbox import wait_in_syscall
 
 pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
@@ -113,8 +115,9 @@ def test_a_container_cannot_raise_its_limit_or_open_its_gate(
         assert node.nvml_processes()[attacker.host_pid] == 200 * MIB
         # The gate holds: launches wait while the (fake) daemon keeps it closed.
         attacker.send("launch 3 1000")
-        assert attacker.read_line(1.5) is None
-        wait_for(lambda: region.activity(0).pending == 1, 2, "the launch waiting at the gate")
+        wait_for(lambda: region.activity(0).pending == 1, 10, "the launch waiting at the gate")
+        wait_in_syscall(attacker.host_pid, attacker.host_pid, futex._SYS_FUTEX,
+                        "the launch at a closed gate", running=attacker.alive)
         assert region.activity(0).launches == 0
         region.set_gate(0, True)
         assert attacker.read_line(5) == "launch n=3 rc=0"
