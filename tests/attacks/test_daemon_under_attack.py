@@ -81,10 +81,10 @@ def test_a_slow_oom_script_stalls_no_heartbeat_and_no_cap(node: Node) -> None:
     assert all(len({ns for ns in seen if ns > started_ns}) >= 2 for seen in stamps), stamps
     before = fraction(report, US, t0 + 0.5, script_start)
     during = fraction(report, US, script_start, script_end)
-    assert before == pytest.approx(0.25, abs=0.03)
     # Capped: never above its 1/4 (failed-open gates would give it the whole GPU); a little
     # below it while the script's interpreter competes for this host's two cores.
-    assert 0.20 <= during <= 0.28
+    assert 0.18 <= before <= 0.28, before
+    assert 0.18 <= during <= 0.28, during
     assert during == pytest.approx(before, abs=0.04)
 
 

