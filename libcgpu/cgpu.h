@@ -86,7 +86,8 @@ void cgpu_watch_after_fork(void) CGPU_HIDDEN;
 
 /* Enter a launch on GPU g: wait while its gate is closed, then count the
  * launch as in progress. The fast path is one load of the gate and one
- * atomic add; the gate is looked at again after the add, so that a drain
+ * atomic add (no clock: last_launch_ns is stamped with the in-flight
+ * markers, flight.c); the gate is looked at again after the add, so that a drain
  * that starts after the close either sees this launch in progress or this
  * launch sees the gate closed (see cgpu_flight_drain). */
 static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
@@ -107,10 +108,8 @@ static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
         }
     }
     struct cgpu_proc *s = cgpu_slot();
-    if (cgpu_likely(s != NULL)) {
+    if (cgpu_likely(s != NULL))
         __atomic_fetch_add(&s->gpu[g].launches, 1, __ATOMIC_RELAXED);
-        __atomic_store_n(&s->gpu[g].last_launch_ns, cgpu_coarse_ns(), __ATOMIC_RELAXED);
-    }
 }
 
 static inline void cgpu_launch_exit(int g)

@@ -56,6 +56,8 @@
 #define FLIGHT_DRAIN_NS 4000000ull /* queued work per stream, at most about (4 ms) */
 #define FLIGHT_MIN_BOUND 2u
 #define FLIGHT_PROBE_LAUNCHES 64u /* at the bound's minimum while the time is unknown */
+#define FLIGHT_UNMEASURED_QUEUE 2u /* launches a process may queue before its time is known */
+#define FLIGHT_UNBOUNDED_RECHECK 64u /* launches between reads of an unbounded bound */
 /* Not CU_EVENT_BLOCKING_SYNC: on an H200 such a marker every 4 launches cost
  * 1 % of the throughput of 50 us kernels (an interrupt per marker, and a
  * wake-up that lets the queue run dry), a plain one 0.1 %. Waiting for a
@@ -73,9 +75,10 @@ struct flight {
     uintptr_t stream;
     uintptr_t owner;  /* per-thread default stream: the thread's token, else 0 */
     int g;            /* container GPU of its context */
-    uint32_t since;   /* launches since the last marker */
-    uint32_t every;   /* K now: launches per marker (0 = not yet decided) */
+    uint64_t total;   /* launches counted on this entry */
+    uint64_t next_mark; /* `total` at which the next marker is due (0: the first launch) */
     pthread_mutex_t lock; /* the rest */
+    uint64_t marked;  /* `total` behind the last marker */
     unsigned head, count;
     int broken; /* recording failed: this stream goes unbounded */
     uint64_t per_launch_ns; /* measured time per launch, 0 = not yet known */
@@ -85,10 +88,23 @@ struct flight {
     uint64_t done_epoch;    /* the gate's changes at last_done_ns: a time spanning a
                              * close is not this stream's, so it is no sample */
     uint64_t drained_launches; /* `total` when the last drain marker was recorded */
-    uint64_t total;            /* launches counted on this entry */
     CUevent drain_ev;          /* a blocking-sync marker for drains (watch.c) */
     CUevent ev[FLIGHT_SLOTS];
     uint32_t launches[FLIGHT_SLOTS]; /* launches behind each outstanding marker */
+    uint64_t seq[FLIGHT_SLOTS];      /* its place among the process's markers on GPU g */
+};
+
+/* The process's queue on one container GPU, all its streams together: what
+ * the GPU-time budget is held to. Written by whoever records or retires a
+ * marker, with relaxed atomics (a race only blurs an estimate). */
+struct queue {
+    uint64_t launches;      /* behind outstanding markers */
+    uint64_t records;       /* markers recorded so far: their `seq` */
+    uint64_t per_launch_ns; /* GPU time per launch, measured; 0 = not yet */
+    uint64_t last_done_ns;  /* the last wait that blocked saw its marker complete then */
+    uint64_t done_records;  /* `records` at that time */
+    uint64_t done_since;    /* launches of markers found complete since then */
+    uint64_t done_epoch;    /* the gate's changes at that time */
 };
 
 static struct flight table[FLIGHT_ENTRIES] = {
@@ -97,6 +113,7 @@ static struct flight table[FLIGHT_ENTRIES] = {
 static unsigned table_used; /* entries [0, table_used) have been claimed at some time */
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static int env_bound = ENV_UNREAD;
+static struct queue queues[CGPU_MAX_GPUS];
 
 static __thread struct flight *cache[CACHE_WAYS];
 static __thread char thread_token; /* its address names the thread */
@@ -138,20 +155,31 @@ static inline int key_is(const struct flight *f, uintptr_t ctx, uintptr_t s, uin
            __atomic_load_n(&f->owner, __ATOMIC_RELAXED) == owner;
 }
 
+/* Markers of f (held) that leave the queue unwaited: their entry is retaken. */
+static void forget_markers(struct flight *f)
+{
+    if (f->g < 0 || f->g >= CGPU_MAX_GPUS)
+        return;
+    for (unsigned i = 0; i < f->count; i++)
+        __atomic_fetch_sub(&queues[f->g].launches, f->launches[(f->head + i) % FLIGHT_SLOTS],
+                           __ATOMIC_RELAXED);
+}
+
 /* Caller holds table_lock and f->lock. */
 static void set_key(struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owner, int g)
 {
+    forget_markers(f);
     f->g = g;
     __atomic_store_n(&f->ctx, ctx, __ATOMIC_RELAXED);
     __atomic_store_n(&f->stream, s, __ATOMIC_RELAXED);
     __atomic_store_n(&f->owner, owner, __ATOMIC_RELAXED);
-    __atomic_store_n(&f->since, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&f->every, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->total, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&f->next_mark, 0, __ATOMIC_RELAXED);
+    f->marked = 0;
     f->head = f->count = 0;
     f->broken = 0;
     f->per_launch_ns = f->last_done_ns = f->done_epoch = 0;
     f->probed = f->done_since = 0;
-    __atomic_store_n(&f->total, 0, __ATOMIC_RELAXED);
     f->drained_launches = 0;
 }
 
@@ -228,33 +256,91 @@ static uint32_t effective_bound(const struct flight *f, uint32_t bound)
     return n < bound ? (uint32_t)n : bound;
 }
 
+/* The oldest marker of f (held) completed (`blocked`: a wait saw it complete
+ * at `now`, having started at `from`; else a query found it complete): the
+ * process's queue on GPU g loses its launches, and a wait that blocked
+ * measures the GPU time per launch, over all the process's streams. Since
+ * the last wait that blocked the process had work queued all along if this
+ * marker was recorded before that wait ended: then its launches and those
+ * found complete meanwhile ran in the time between the two. A marker waited
+ * for right after it was recorded, with nothing older outstanding, ran in
+ * the time of the wait (the sample that follows a kernel that got shorter). */
+static void queue_done(const struct flight *f, unsigned slot, int blocked, uint64_t from,
+                       uint64_t now, uint64_t epoch)
+{
+    struct queue *q = &queues[f->g];
+    uint32_t launches = f->launches[slot];
+    uint64_t queued = __atomic_fetch_sub(&q->launches, launches, __ATOMIC_RELAXED);
+    if (!blocked) {
+        __atomic_fetch_add(&q->done_since, launches, __ATOMIC_RELAXED);
+        return;
+    }
+    uint64_t last = __atomic_load_n(&q->last_done_ns, __ATOMIC_RELAXED);
+    uint64_t done = launches + __atomic_exchange_n(&q->done_since, 0, __ATOMIC_RELAXED);
+    uint64_t sample = 0;
+    if (last != 0 && now > last && f->seq[slot] <= __atomic_load_n(&q->done_records,
+                                                                   __ATOMIC_RELAXED) &&
+        epoch == __atomic_load_n(&q->done_epoch, __ATOMIC_RELAXED))
+        sample = (now - last) / done;
+    else if (from != 0 && now > from && queued == launches && launches > 0)
+        sample = (now - from) / launches;
+    if (sample != 0) {
+        uint64_t per = __atomic_load_n(&q->per_launch_ns, __ATOMIC_RELAXED);
+        __atomic_store_n(&q->per_launch_ns, per ? (per + sample) / 2 : sample,
+                         __ATOMIC_RELAXED);
+    }
+    __atomic_store_n(&q->last_done_ns, now, __ATOMIC_RELAXED);
+    __atomic_store_n(&q->done_records, __atomic_load_n(&q->records, __ATOMIC_RELAXED),
+                     __ATOMIC_RELAXED);
+    __atomic_store_n(&q->done_epoch, epoch, __ATOMIC_RELAXED);
+}
+
+/* Whether the oldest marker of f (held) is complete; if so it is retired. */
+static int oldest_done(struct flight *f)
+{
+    unsigned slot = f->head;
+    if (f->ev[slot] == NULL || cgpu_flight_cu.event_query == NULL ||
+        cgpu_flight_cu.event_query(f->ev[slot]) != CUDA_SUCCESS)
+        return 0;
+    f->head = (f->head + 1) % FLIGHT_SLOTS;
+    f->count--;
+    f->done_since += f->launches[slot]; /* counted in the next blocking wait */
+    queue_done(f, slot, 0, 0, 0, 0);
+    return 1;
+}
+
 /* Wait for the oldest marker of f (held), counted as pending on GPU g. A
  * wait that blocks measures the time per launch since the last one that
  * blocked: the launches of the markers in between were queued before it
  * ended (markers are recorded before older ones are waited for), so the
- * stream was busy with them all along. */
-static void wait_oldest(struct flight *f, const struct cgpu_control *r, int g)
+ * stream was busy with them all along. `fresh`: it was recorded just now
+ * (the budget's wait; its start is timed). */
+static void wait_oldest(struct flight *f, const struct cgpu_control *r, int g, int fresh)
 {
-    CUevent ev = f->ev[f->head];
-    uint32_t launches = f->launches[f->head];
-    f->head = (f->head + 1) % FLIGHT_SLOTS;
-    f->count--;
+    unsigned slot = f->head;
+    CUevent ev = f->ev[slot];
+    uint32_t launches = f->launches[slot];
     if (ev == NULL || cgpu_flight_cu.event_synchronize == NULL) {
+        f->head = (f->head + 1) % FLIGHT_SLOTS;
+        f->count--;
+        queue_done(f, slot, 0, 0, 0, 0);
         f->last_done_ns = 0;
         return;
     }
-    if (cgpu_flight_cu.event_query != NULL && cgpu_flight_cu.event_query(ev) == CUDA_SUCCESS) {
-        f->done_since += launches; /* done already: counted in the next blocking wait */
+    if (oldest_done(f))
         return;
-    }
+    f->head = (f->head + 1) % FLIGHT_SLOTS;
+    f->count--;
     struct cgpu_proc *me = cgpu_slot();
     if (me != NULL)
         __atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
+    uint64_t from = fresh ? cgpu_now_ns() : 0;
     CUresult rc = cgpu_flight_cu.event_synchronize(ev); /* an error drops the marker */
     if (me != NULL)
         __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
     uint64_t now = cgpu_now_ns();
     uint64_t epoch = __atomic_load_n(&r->gpu[g].gate_changes, __ATOMIC_ACQUIRE);
+    queue_done(f, slot, rc == CUDA_SUCCESS, from, now, epoch);
     launches += f->done_since;
     if (rc == CUDA_SUCCESS && f->last_done_ns != 0 && launches > 0 && now > f->last_done_ns &&
         epoch == f->done_epoch) {
@@ -282,21 +368,95 @@ static void record(struct flight *f, uintptr_t s, uint32_t launches)
         f->broken = 1; /* not this stream's context, or the driver refuses: no bound */
         return;
     }
+    struct queue *q = &queues[f->g];
     f->launches[slot] = launches;
+    f->seq[slot] = __atomic_add_fetch(&q->records, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&q->launches, launches, __ATOMIC_RELAXED);
     f->count++;
+}
+
+/* The GPU time a process may keep queued on GPU g now. */
+static uint64_t budget_of(const struct cgpu_control *r, int g)
+{
+    uint64_t budget = __atomic_load_n(&r->gpu[g].queue_ns, __ATOMIC_RELAXED);
+    return budget != 0 ? budget : CGPU_DEFAULT_QUEUE_NS;
+}
+
+/* Whether the process's queue on GPU g is over its budget: its outstanding
+ * launches times their measured GPU time (a few launches while unmeasured). */
+static int over_budget(const struct cgpu_control *r, int g)
+{
+    uint64_t queued = __atomic_load_n(&queues[g].launches, __ATOMIC_RELAXED);
+    uint64_t per = __atomic_load_n(&queues[g].per_launch_ns, __ATOMIC_RELAXED);
+    if (per == 0)
+        return queued > FLIGHT_UNMEASURED_QUEUE;
+    return queued * per > budget_of(r, g);
+}
+
+/* Of the process's other entries on GPU g, retire the markers found complete
+ * and return the one whose oldest marker is older than f's (held) oldest,
+ * locked; NULL when f's is the oldest. Entries another thread holds are
+ * passed over (it is in a marker's wait itself). */
+static struct flight *reap_others(struct flight *f, int g)
+{
+    struct flight *oldest = NULL;
+    uint64_t seq = f->count > 0 ? f->seq[f->head] : UINT64_MAX;
+    unsigned used = __atomic_load_n(&table_used, __ATOMIC_ACQUIRE);
+    for (unsigned i = 0; i < used; i++) {
+        struct flight *e = &table[i];
+        if (e == f || e->g != g || __atomic_load_n(&e->ctx, __ATOMIC_RELAXED) == 0 ||
+            pthread_mutex_trylock(&e->lock) != 0)
+            continue;
+        while (e->count > 0 && oldest_done(e))
+            ;
+        if (e->count > 0 && e->g == g && e->seq[e->head] < seq) {
+            if (oldest != NULL)
+                pthread_mutex_unlock(&oldest->lock);
+            oldest = e;
+            seq = e->seq[e->head];
+        } else {
+            pthread_mutex_unlock(&e->lock);
+        }
+    }
+    return oldest;
+}
+
+/* Hold the launching thread while the process's queue on GPU g is over its
+ * budget, waiting for its oldest markers (f is held, its newest just
+ * recorded). Markers of other streams are waited for from here too: what
+ * counts is the time all the process's queued work keeps the GPU. */
+static void hold_to_budget(struct flight *f, const struct cgpu_control *r, int g)
+{
+    while (over_budget(r, g)) {
+        struct flight *e = reap_others(f, g);
+        if (!over_budget(r, g)) {
+            if (e != NULL)
+                pthread_mutex_unlock(&e->lock);
+            break;
+        }
+        if (e != NULL) {
+            wait_oldest(e, r, g, 0);
+            pthread_mutex_unlock(&e->lock);
+        } else if (f->count > 0) {
+            wait_oldest(f, r, g, f->count == 1);
+        } else {
+            break; /* what is left is held by other threads, waiting already */
+        }
+    }
 }
 
 static void mark(struct flight *f, uint32_t bound, const struct cgpu_control *r, int g,
                  uintptr_t ctx, uintptr_t s, uintptr_t owner)
 {
     pthread_mutex_lock(&f->lock);
-    uint32_t since = __atomic_load_n(&f->since, __ATOMIC_RELAXED);
+    uint64_t total = __atomic_load_n(&f->total, __ATOMIC_ACQUIRE);
     if (!key_is(f, ctx, s, owner) || f->broken ||
-        since < __atomic_load_n(&f->every, __ATOMIC_RELAXED)) {
+        total < __atomic_load_n(&f->next_mark, __ATOMIC_RELAXED)) {
         pthread_mutex_unlock(&f->lock);
         return;
     }
-    __atomic_store_n(&f->since, 0, __ATOMIC_RELAXED);
+    uint32_t since = (uint32_t)(total - f->marked);
+    f->marked = total;
     if (f->per_launch_ns == 0 && f->probed < FLIGHT_PROBE_LAUNCHES)
         f->probed += since;
     uint32_t n = effective_bound(f, bound), every = launches_per_marker(n);
@@ -308,13 +468,14 @@ static void mark(struct flight *f, uint32_t bound, const struct cgpu_control *r,
         int exchanged = cgpu_flight_cu.exchange_capture_mode != NULL &&
                         cgpu_flight_cu.exchange_capture_mode(&mode) == CUDA_SUCCESS;
         while (f->count >= markers)
-            wait_oldest(f, r, g);
+            wait_oldest(f, r, g, 0);
         record(f, s, since);
+        hold_to_budget(f, r, g);
         if (exchanged)
             cgpu_flight_cu.exchange_capture_mode(&mode);
     }
     /* launches until the next marker, from what the waits measured */
-    __atomic_store_n(&f->every, launches_per_marker(effective_bound(f, bound)),
+    __atomic_store_n(&f->next_mark, total + launches_per_marker(effective_bound(f, bound)),
                      __ATOMIC_RELAXED);
     pthread_mutex_unlock(&f->lock);
 }
@@ -336,30 +497,40 @@ static void stream_key(CUstream stream, int ptsz, uintptr_t *s, uintptr_t *owner
 struct flight *cgpu_flight_count(int g, CUstream stream, int ptsz)
 {
     CUcontext ctx;
-    if (cgpu_flight_cu.ctx_get_current == NULL ||
+    if (cgpu_unlikely(cgpu_flight_cu.ctx_get_current == NULL) ||
         cgpu_flight_cu.ctx_get_current(&ctx) != CUDA_SUCCESS || ctx == NULL)
         return NULL;
     uintptr_t s, owner;
     stream_key(stream, ptsz, &s, &owner);
     struct flight *f = lookup((uintptr_t)ctx, s, owner, g);
-    if (f == NULL)
+    if (cgpu_unlikely(f == NULL))
         return NULL;
-    __atomic_fetch_add(&f->since, 1, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&f->total, 1, __ATOMIC_RELEASE);
-    return f;
+    /* one atomic add, and a compare: is a marker due? */
+    uint64_t total = __atomic_add_fetch(&f->total, 1, __ATOMIC_RELEASE);
+    return cgpu_unlikely(total >= __atomic_load_n(&f->next_mark, __ATOMIC_RELAXED)) ? f : NULL;
 }
 
 void cgpu_flight_bound(struct flight *f, const struct cgpu_control *r, int g)
 {
-    uint32_t bound = bound_of(r, g);
-    if (bound == 0 ||
-        __atomic_load_n(&f->since, __ATOMIC_RELAXED) < __atomic_load_n(&f->every, __ATOMIC_RELAXED))
-        return;
     uintptr_t ctx = __atomic_load_n(&f->ctx, __ATOMIC_RELAXED);
     uintptr_t s = __atomic_load_n(&f->stream, __ATOMIC_RELAXED);
     uintptr_t owner = __atomic_load_n(&f->owner, __ATOMIC_RELAXED);
     if (owner != 0 && owner != (uintptr_t)&thread_token)
         return; /* the entry was retaken meanwhile */
+    struct cgpu_proc *me = cgpu_slot();
+    if (me != NULL) /* every few launches, not at each: a clock read costs */
+        __atomic_store_n(&me->gpu[g].last_launch_ns, cgpu_coarse_ns(), __ATOMIC_RELAXED);
+    uint32_t bound = bound_of(r, g);
+    if (bound == 0) { /* unbounded: no markers; the bound is read again later */
+        pthread_mutex_lock(&f->lock);
+        if (key_is(f, ctx, s, owner)) {
+            f->marked = __atomic_load_n(&f->total, __ATOMIC_ACQUIRE);
+            __atomic_store_n(&f->next_mark, f->marked + FLIGHT_UNBOUNDED_RECHECK,
+                             __ATOMIC_RELAXED);
+        }
+        pthread_mutex_unlock(&f->lock);
+        return;
+    }
     mark(f, bound, r, g, ctx, s, owner);
 }
 
@@ -476,4 +647,5 @@ void cgpu_flight_after_fork(void)
         table[i].drain_ev = NULL;
     }
     table_used = 0;
+    memset(queues, 0, sizeof queues);
 }

@@ -74,6 +74,15 @@
  * about this many launches per stream queued ahead of the GPU, so a closed
  * gate takes effect within that many kernels (0 = unbounded). */
 #define CGPU_DEFAULT_MAX_INFLIGHT 16u
+/* gpu.queue_ns is the GPU time a process may keep queued on the GPU, all its
+ * streams together, as libcgpu estimates it (libcgpu/flight.c). When the
+ * daemon does not say (0): what a process keeps at most while no other
+ * container waits for the GPU, which is
+ * what a container that wakes waits behind; the dispatcher writes
+ * CGPU_CONTENDED_QUEUE_NS while one does. A kernel longer than the budget
+ * runs alone: the next launch waits until it has finished. */
+#define CGPU_DEFAULT_QUEUE_NS 4000000ULL
+#define CGPU_CONTENDED_QUEUE_NS 1000000ULL
 /* gpu.ctx_bytes: measure each process's context when it is created (the
  * device's used memory before and after, from NVML) and charge that. */
 #define CGPU_CTX_MEASURE UINT64_MAX
@@ -111,7 +120,8 @@ struct cgpu_gpu {
     char uuid[CGPU_UUID_LEN]; /* "GPU-...", matched against the driver; "" = by ordinal */
     uint32_t max_inflight;   /* launches a process may keep queued per stream; 0 = unbounded */
     uint32_t reserved32;     /* 0 */
-    uint8_t reserved[104];
+    uint64_t queue_ns;       /* GPU time a process may keep queued; 0 = CGPU_DEFAULT_QUEUE_NS */
+    uint8_t reserved[96];
 };
 
 /* One GPU process of the container as the daemon saw it. 32 bytes. */
@@ -155,7 +165,7 @@ struct cgpu_proc_gpu {
     uint64_t mem;            /* bytes held, including `inflight` */
     uint64_t inflight;       /* part of `mem` still being checked against the limit */
     uint64_t launches;       /* kernel and graph launches issued */
-    uint64_t last_launch_ns; /* CLOCK_MONOTONIC_COARSE stamp of the last launch (~4 ms grain) */
+    uint64_t last_launch_ns; /* CLOCK_MONOTONIC_COARSE, a recent launch's (at a marker) */
     uint64_t gate_wait_ns;   /* total time launches spent blocked at the closed gate */
     uint32_t pending;        /* launches waiting now: at the gate, or for the GPU (max_inflight) */
     uint32_t contexts;       /* contexts held (ctx_bytes charged while > 0) */

@@ -27,11 +27,12 @@ from fractions import Fraction
 from typing import Protocol
 
 from cgpu_km.dataplane import futex
-from cgpu_km.dataplane.region import Region
+from cgpu_km.dataplane.region import CONTENDED_QUEUE_NS, Region
 from cgpu_km.sched import (
     QUANTUM,
     GpuConfig,
     Observation,
+    Policy,
     SliceDecision,
     SliceScheduler,
 )
@@ -54,8 +55,9 @@ class GpuPort(Protocol):
     def observe(self) -> Mapping[str, Observation]:
         """What each container shows now."""
 
-    def apply(self, open_: frozenset[str], now_ns: int) -> None:
-        """Open the gates of `open_` and close the others'."""
+    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0) -> None:
+        """Open the gates of `open_` and close the others'; `queue_ns`: the GPU
+        time each process may keep queued (0: libcgpu's default)."""
 
     def heartbeat(self, now_ns: int) -> None:
         """Tell every container that the daemon is alive."""
@@ -80,6 +82,17 @@ class Figures:
     holder: str | None
     steps: int
     last_step: float  # time.monotonic() of the last step
+
+
+def queue_budget(decision: SliceDecision, observed: Mapping[str, Observation],
+                 late: Set[str]) -> int:
+    """The GPU time each process may keep queued (0: libcgpu's default): less
+    while more than one container wants the GPU (the holder, one that waits,
+    one still draining), since what the holder queues is what the next one
+    waits behind."""
+    wanting = {n for n, seen in observed.items() if seen.waiting}
+    wanting |= decision.open | late
+    return CONTENDED_QUEUE_NS if len(wanting) > 1 else 0
 
 
 class Dispatcher:
@@ -140,7 +153,10 @@ class Dispatcher:
             self._decision = decision
             self._steps += 1
             self._last_step = time.monotonic()
-        self.port.apply(decision.open, now)
+            late = self._scheduler.late
+            native = self._scheduler.config.policy is Policy.NATIVE
+        self.port.apply(decision.open, now,
+                        0 if native else queue_budget(decision, observed, late))
         if log.isEnabledFor(logging.DEBUG) and (before is None or before.open != decision.open):
             log.debug("GPU %d at %.4f: open %s (waiting %s; drained %s)", self.gpu, now / 1e9,
                       ",".join(sorted(decision.open)) or "-",
@@ -195,7 +211,8 @@ class RegionPort:
         self._rung: dict[str, int] = {}  # doorbell values at the last observation
         self._kick = ctypes.c_uint32(0)
         self._lock = threading.Lock()
-        self._applied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._applied: tuple[frozenset[str], frozenset[str], int] = (
+            frozenset(), frozenset(), -1)
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
 
@@ -233,13 +250,14 @@ class RegionPort:
         self._rung = rung
         return found
 
-    def apply(self, open_: frozenset[str], now_ns: int) -> None:
+    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0) -> None:
         entries = self.entries()
-        if open_ == self._applied[0] and entries.keys() == self._applied[1]:
+        if (open_, frozenset(entries), queue_ns) == self._applied:
             return  # nothing changed since the last time (the common case)
         for name, (region, k) in entries.items():
+            region.set_queue_ns(k, queue_ns)  # before a grant: the grantee starts tight
             region.set_gate(k, name in open_, now_ns)
-        self._applied = (open_, frozenset(entries))
+        self._applied = (open_, frozenset(entries), queue_ns)
 
     def heartbeat(self, now_ns: int) -> None:
         for region, _k in self.entries().values():

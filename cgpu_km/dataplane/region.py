@@ -45,6 +45,11 @@ DEFAULT_GATE_TIMEOUT_NS = 2_000_000_000
 # Launches per stream a process may keep queued (about; 0 = unbounded): after
 # the gate closes, the GPU runs at most this many more kernels per stream.
 DEFAULT_MAX_INFLIGHT = 16
+# gpu.queue_ns: the GPU time a process may keep queued, all streams together
+# (0: DEFAULT_QUEUE_NS); the dispatcher writes CONTENDED_QUEUE_NS while another
+# container waits for the GPU.
+DEFAULT_QUEUE_NS = 4_000_000
+CONTENDED_QUEUE_NS = 1_000_000
 MAX_INFLIGHT_ENV = "CGPU_MAX_INFLIGHT"  # libcgpu: overrides the region's bound in a process
 CTX_MEASURE = 2**64 - 1  # ctx_bytes: libcgpu measures each context as it is made
 
@@ -82,7 +87,8 @@ class GpuEntry(ctypes.Structure):
         ("uuid", ctypes.c_char * UUID_LEN),
         ("max_inflight", ctypes.c_uint32),
         ("reserved32", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint8 * 104),
+        ("queue_ns", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint8 * 96),
     )
 
 
@@ -524,6 +530,16 @@ class Region:
 
     def grant_ns(self, k: int) -> int:
         return int(self._gpu(k).grant_ns)
+
+    def queue_ns(self, k: int) -> int:
+        """The GPU time each process may keep queued on GPU k (0: DEFAULT_QUEUE_NS)."""
+        return int(self._gpu(k).queue_ns)
+
+    def set_queue_ns(self, k: int, budget_ns: int) -> None:
+        """Set that budget (libcgpu holds launches beyond it; 0: the default)."""
+        if not 0 <= budget_ns < 2**64:
+            raise RegionError(f"queue_ns must be 0 to 2**64 - 1, not {budget_ns}")
+        self._gpu(k).queue_ns = budget_ns
 
     def set_gate(self, k: int, is_open: bool, now_ns: int = 0) -> None:
         """Open the gate of container GPU k (a grant: waiters wake), or close it.
