@@ -56,7 +56,7 @@
 #define FLIGHT_DRAIN_NS 4000000ull /* queued work per stream, at most about (4 ms) */
 #define FLIGHT_MIN_BOUND 2u
 #define FLIGHT_PROBE_LAUNCHES 64u /* at the bound's minimum while the time is unknown */
-#define FLIGHT_UNMEASURED_QUEUE 2u /* launches a process may queue before its time is known */
+#define FLIGHT_UNMEASURED_QUEUE 1u /* launches a process may queue before its time is known */
 #define FLIGHT_UNBOUNDED_RECHECK 64u /* launches between reads of an unbounded bound */
 /* Not CU_EVENT_BLOCKING_SYNC: on an H200 such a marker every 4 launches cost
  * 1 % of the throughput of 50 us kernels (an interrupt per marker, and a
@@ -102,9 +102,8 @@ struct queue {
     uint64_t records;       /* markers recorded so far: their `seq` */
     uint64_t per_launch_ns; /* GPU time per launch, measured; 0 = not yet */
     uint64_t last_done_ns;  /* the last wait that blocked saw its marker complete then */
-    uint64_t done_records;  /* `records` at that time */
     uint64_t done_since;    /* launches of markers found complete since then */
-    uint64_t done_epoch;    /* the gate's changes at that time */
+    uint32_t emptied;       /* no marker was outstanding at some time since then */
 };
 
 static struct flight table[FLIGHT_ENTRIES] = {
@@ -259,28 +258,32 @@ static uint32_t effective_bound(const struct flight *f, uint32_t bound)
 /* The oldest marker of f (held) completed (`blocked`: a wait saw it complete
  * at `now`, having started at `from`; else a query found it complete): the
  * process's queue on GPU g loses its launches, and a wait that blocked
- * measures the GPU time per launch, over all the process's streams. Since
- * the last wait that blocked the process had work queued all along if this
- * marker was recorded before that wait ended: then its launches and those
- * found complete meanwhile ran in the time between the two. A marker waited
- * for right after it was recorded, with nothing older outstanding, ran in
- * the time of the wait (the sample that follows a kernel that got shorter). */
+ * measures the GPU time per launch, over all the process's streams. If the
+ * queue never ran empty since the last wait that blocked, this marker's
+ * launches and those found complete meanwhile ran in the time between the
+ * two (a close of the gate meanwhile does not matter, queued work runs on;
+ * an emptied queue is only seen when its markers are retired, so idle time
+ * may count, and work of others run in between counts too: both make the
+ * figure larger and the queue shorter). A marker waited for right after it
+ * was recorded, with nothing else outstanding, ran in the time of the wait
+ * (the sample that follows a kernel that got shorter). */
 static void queue_done(const struct flight *f, unsigned slot, int blocked, uint64_t from,
-                       uint64_t now, uint64_t epoch)
+                       uint64_t now)
 {
     struct queue *q = &queues[f->g];
     uint32_t launches = f->launches[slot];
     uint64_t queued = __atomic_fetch_sub(&q->launches, launches, __ATOMIC_RELAXED);
+    int emptied = __atomic_exchange_n(&q->emptied, queued == launches, __ATOMIC_RELAXED);
     if (!blocked) {
+        if (emptied)
+            __atomic_store_n(&q->emptied, 1, __ATOMIC_RELAXED);
         __atomic_fetch_add(&q->done_since, launches, __ATOMIC_RELAXED);
         return;
     }
     uint64_t last = __atomic_load_n(&q->last_done_ns, __ATOMIC_RELAXED);
     uint64_t done = launches + __atomic_exchange_n(&q->done_since, 0, __ATOMIC_RELAXED);
     uint64_t sample = 0;
-    if (last != 0 && now > last && f->seq[slot] <= __atomic_load_n(&q->done_records,
-                                                                   __ATOMIC_RELAXED) &&
-        epoch == __atomic_load_n(&q->done_epoch, __ATOMIC_RELAXED))
+    if (last != 0 && now > last && !emptied)
         sample = (now - last) / done;
     else if (from != 0 && now > from && queued == launches && launches > 0)
         sample = (now - from) / launches;
@@ -290,9 +293,6 @@ static void queue_done(const struct flight *f, unsigned slot, int blocked, uint6
                          __ATOMIC_RELAXED);
     }
     __atomic_store_n(&q->last_done_ns, now, __ATOMIC_RELAXED);
-    __atomic_store_n(&q->done_records, __atomic_load_n(&q->records, __ATOMIC_RELAXED),
-                     __ATOMIC_RELAXED);
-    __atomic_store_n(&q->done_epoch, epoch, __ATOMIC_RELAXED);
 }
 
 /* Whether the oldest marker of f (held) is complete; if so it is retired. */
@@ -305,7 +305,7 @@ static int oldest_done(struct flight *f)
     f->head = (f->head + 1) % FLIGHT_SLOTS;
     f->count--;
     f->done_since += f->launches[slot]; /* counted in the next blocking wait */
-    queue_done(f, slot, 0, 0, 0, 0);
+    queue_done(f, slot, 0, 0, 0);
     return 1;
 }
 
@@ -323,7 +323,7 @@ static void wait_oldest(struct flight *f, const struct cgpu_control *r, int g, i
     if (ev == NULL || cgpu_flight_cu.event_synchronize == NULL) {
         f->head = (f->head + 1) % FLIGHT_SLOTS;
         f->count--;
-        queue_done(f, slot, 0, 0, 0, 0);
+        queue_done(f, slot, 0, 0, 0);
         f->last_done_ns = 0;
         return;
     }
@@ -340,7 +340,7 @@ static void wait_oldest(struct flight *f, const struct cgpu_control *r, int g, i
         __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
     uint64_t now = cgpu_now_ns();
     uint64_t epoch = __atomic_load_n(&r->gpu[g].gate_changes, __ATOMIC_ACQUIRE);
-    queue_done(f, slot, rc == CUDA_SUCCESS, from, now, epoch);
+    queue_done(f, slot, rc == CUDA_SUCCESS, from, now);
     launches += f->done_since;
     if (rc == CUDA_SUCCESS && f->last_done_ns != 0 && launches > 0 && now > f->last_done_ns &&
         epoch == f->done_epoch) {

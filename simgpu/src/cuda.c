@@ -16,6 +16,12 @@
  * Each stream holds at most SIMGPU_QUEUE_DEPTH outstanding kernels; a
  * launch beyond that waits for the oldest.
  *
+ * With SIMGPU_KERNEL_TRACE=FILE and the fifo engine, every kernel booked
+ * appends a line to FILE: "kernel pid=P launch=L start=S end=E", the
+ * recorded pid of its process, when it was launched and when it runs
+ * (CLOCK_MONOTONIC ns), in booking order (so that a test can count what ran
+ * ahead of a launch from the driver's own record).
+ *
  * cuStreamWaitEvent on an event in the same queue (this process, this
  * device) needs nothing: the queue runs in order. On an event in another
  * queue (another device, or the parent's queue after fork) the stream's next
@@ -24,6 +30,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1906,6 +1913,24 @@ static CUresult graph_append(struct sim_graph *g, uint64_t dur)
     return CUDA_SUCCESS;
 }
 
+/* Under the state lock: append a booked fifo kernel to SIMGPU_KERNEL_TRACE. */
+static void trace_kernel(int slot, const struct sim_ticket *t, uint64_t dur_ns)
+{
+    static int fd = -2;
+    if (fd == -2) {
+        const char *path = getenv("SIMGPU_KERNEL_TRACE");
+        fd = path && path[0] ? open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644) : -1;
+    }
+    if (fd < 0 || t->kind != SIM_TICKET_FIFO)
+        return;
+    char line[160];
+    int n = snprintf(line, sizeof line, "kernel pid=%d launch=%llu start=%llu end=%llu\n",
+                     (int)sim_state()->procs[slot].pid, (unsigned long long)sim_now_ns(),
+                     (unsigned long long)(t->end_ns - dur_ns), (unsigned long long)t->end_ns);
+    if (n > 0 && write(fd, line, (size_t)n) != n)
+        fd = -1; /* a trace that cannot be written is not kept */
+}
+
 /* Whether t is a position in this process's queue on dev (slot is its slot). */
 static int in_own_queue(const struct sim_ticket *t, int slot, int dev)
 {
@@ -1948,6 +1973,7 @@ static CUresult enqueue_kernel(struct sim_stream *s, uint64_t dur_ns)
         } else {
             struct sim_ticket t;
             sim_enqueue_locked(c->dev, slot, dur_ns, s->not_before, &t);
+            trace_kernel(slot, &t, dur_ns);
             sim_unlock();
             s->ring[(s->head + s->count) % g_queue_depth] = t;
             s->count++;
