@@ -91,7 +91,7 @@ struct flight {
     CUevent drain_ev;          /* a blocking-sync marker for drains (watch.c) */
     CUevent ev[FLIGHT_SLOTS];
     uint32_t launches[FLIGHT_SLOTS]; /* launches behind each outstanding marker */
-    uint64_t seq[FLIGHT_SLOTS];      /* its place among the process's markers on GPU g */
+    uint64_t pos[FLIGHT_SLOTS];      /* the process's launches marked on GPU g through it */
 };
 
 /* The process's queue on one container GPU, all its streams together: what
@@ -99,10 +99,10 @@ struct flight {
  * marker, with relaxed atomics (a race only blurs an estimate). */
 struct queue {
     uint64_t launches;      /* behind outstanding markers */
-    uint64_t records;       /* markers recorded so far: their `seq` */
+    uint64_t marked;        /* launches behind every marker so far: a marker's `pos` */
     uint64_t per_launch_ns; /* GPU time per launch, measured; 0 = not yet */
     uint64_t last_done_ns;  /* the last wait that blocked saw its marker complete then */
-    uint64_t done_since;    /* launches of markers found complete since then */
+    uint64_t last_done_pos; /* that marker's pos */
     uint32_t emptied;       /* no marker was outstanding at some time since then */
 };
 
@@ -259,9 +259,10 @@ static uint32_t effective_bound(const struct flight *f, uint32_t bound)
  * at `now`, having started at `from`; else a query found it complete): the
  * process's queue on GPU g loses its launches, and a wait that blocked
  * measures the GPU time per launch, over all the process's streams. If the
- * queue never ran empty since the last wait that blocked, this marker's
- * launches and those found complete meanwhile ran in the time between the
- * two (a close of the gate meanwhile does not matter, queued work runs on;
+ * queue never ran empty since the last wait that blocked, the launches
+ * marked after that wait's marker up to this one ran in the time between the
+ * two, as a GPU runs one process's work in the order it was queued (where
+ * streams overtake each other the figure is rougher; a close of the gate meanwhile does not matter, queued work runs on;
  * an emptied queue is only seen when its markers are retired, so idle time
  * may count, and work of others run in between counts too: both make the
  * figure larger and the queue shorter). A marker waited for right after it
@@ -277,14 +278,13 @@ static void queue_done(const struct flight *f, unsigned slot, int blocked, uint6
     if (!blocked) {
         if (emptied)
             __atomic_store_n(&q->emptied, 1, __ATOMIC_RELAXED);
-        __atomic_fetch_add(&q->done_since, launches, __ATOMIC_RELAXED);
         return;
     }
     uint64_t last = __atomic_load_n(&q->last_done_ns, __ATOMIC_RELAXED);
-    uint64_t done = launches + __atomic_exchange_n(&q->done_since, 0, __ATOMIC_RELAXED);
-    uint64_t sample = 0;
-    if (last != 0 && now > last && !emptied)
-        sample = (now - last) / done;
+    uint64_t last_pos = __atomic_load_n(&q->last_done_pos, __ATOMIC_RELAXED);
+    uint64_t pos = f->pos[slot], sample = 0;
+    if (last != 0 && now > last && !emptied && pos > last_pos)
+        sample = (now - last) / (pos - last_pos);
     else if (from != 0 && now > from && queued == launches && launches > 0)
         sample = (now - from) / launches;
     if (sample != 0) {
@@ -293,6 +293,8 @@ static void queue_done(const struct flight *f, unsigned slot, int blocked, uint6
                          __ATOMIC_RELAXED);
     }
     __atomic_store_n(&q->last_done_ns, now, __ATOMIC_RELAXED);
+    if (pos > last_pos)
+        __atomic_store_n(&q->last_done_pos, pos, __ATOMIC_RELAXED);
 }
 
 /* Whether the oldest marker of f (held) is complete; if so it is retired. */
@@ -370,7 +372,7 @@ static void record(struct flight *f, uintptr_t s, uint32_t launches)
     }
     struct queue *q = &queues[f->g];
     f->launches[slot] = launches;
-    f->seq[slot] = __atomic_add_fetch(&q->records, 1, __ATOMIC_RELAXED);
+    f->pos[slot] = __atomic_add_fetch(&q->marked, launches, __ATOMIC_RELAXED);
     __atomic_fetch_add(&q->launches, launches, __ATOMIC_RELAXED);
     f->count++;
 }
@@ -400,7 +402,7 @@ static int over_budget(const struct cgpu_control *r, int g)
 static struct flight *reap_others(struct flight *f, int g)
 {
     struct flight *oldest = NULL;
-    uint64_t seq = f->count > 0 ? f->seq[f->head] : UINT64_MAX;
+    uint64_t pos = f->count > 0 ? f->pos[f->head] : UINT64_MAX;
     unsigned used = __atomic_load_n(&table_used, __ATOMIC_ACQUIRE);
     for (unsigned i = 0; i < used; i++) {
         struct flight *e = &table[i];
@@ -409,11 +411,11 @@ static struct flight *reap_others(struct flight *f, int g)
             continue;
         while (e->count > 0 && oldest_done(e))
             ;
-        if (e->count > 0 && e->g == g && e->seq[e->head] < seq) {
+        if (e->count > 0 && e->g == g && e->pos[e->head] < pos) {
             if (oldest != NULL)
                 pthread_mutex_unlock(&oldest->lock);
             oldest = e;
-            seq = e->seq[e->head];
+            pos = e->pos[e->head];
         } else {
             pthread_mutex_unlock(&e->lock);
         }

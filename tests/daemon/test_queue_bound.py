@@ -17,13 +17,13 @@ in tests/sched/test_wakeups.py.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.bench.shares import Workload, measure
 from tests.daemon.simbox import SimHost, missing
+from tests.simgpu.kernel_trace import Kernel, parse_trace, waiting_at_launch
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
@@ -35,47 +35,12 @@ NEIGHBOURS = {
 }
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """One kernel as simgpu booked it (CLOCK_MONOTONIC ns)."""
-
-    pid: int
-    launch: int
-    start: int
-    end: int
-
-    @property
-    def us(self) -> int:
-        return round((self.end - self.start) / 1000)
-
-
-def parse_trace(text: str) -> list[Kernel]:
-    """The lines of SIMGPU_KERNEL_TRACE, in booking order."""
-    kernels = []
-    for line in text.splitlines():
-        words = line.split()
-        if words[:1] != ["kernel"]:
-            raise ValueError(f"not a kernel line: {line!r}")
-        fields = dict(word.split("=", 1) for word in words[1:])
-        kernels.append(Kernel(int(fields["pid"]), int(fields["launch"]), int(fields["start"]),
-                              int(fields["end"])))
-    return kernels
-
-
-def queued_ahead(kernels: list[Kernel], neighbour_us: int, depth: int) -> list[int]:
-    """For each request (`depth` kernels of REQUEST_US in a row), how many of the
-    neighbour's kernels booked before its first one had not started at its launch."""
-    counts = []
-    seen = 0
-    for index, kernel in enumerate(kernels):
-        if kernel.us != REQUEST_US:
-            continue
-        seen += 1
-        if (seen - 1) % depth:
-            continue
-        counts.append(sum(1 for other in kernels[:index]
-                          if other.us == neighbour_us and other.start >= kernel.launch))
-    return counts
+def queued_ahead(kernels: list[Kernel], depth: int) -> list[int]:
+    """For each request (`depth` kernels of REQUEST_US in a row), how many kernels
+    booked before its first one had not started at its launch (its own earlier
+    requests had ended: those are the neighbour's)."""
+    firsts = [i for i, kernel in enumerate(kernels) if kernel.us == REQUEST_US][::depth]
+    return [waiting_at_launch(kernels, i) for i in firsts]
 
 
 def test_the_trace_parser_counts_what_was_queued_ahead() -> None:
@@ -86,7 +51,7 @@ def test_the_trace_parser_counts_what_was_queued_ahead() -> None:
                           (9, 2000, 40_000_000, 1000),      # the request
                           (9, 2100, 41_000_000, 1000),
                           (7, 3000, 42_000_000, 20000)])    # behind it
-    assert queued_ahead(parse_trace(trace), 20000, 2) == [1]
+    assert queued_ahead(parse_trace(trace), 2) == [1]
     with pytest.raises(ValueError, match="not a kernel line"):
         parse_trace("garbage")
 
@@ -112,6 +77,6 @@ def test_a_request_waits_behind_at_most_one_neighbour_kernel(fifo_host: SimHost,
     kernels = parse_trace((fifo_host.tmp / "kernels.trace").read_text())
     # the neighbour kept the GPU busy, and the requests ran beside it
     assert sum(k.us == nb.us for k in kernels) * nb.us >= SECONDS * 1e6 / 4, len(kernels)
-    ahead = queued_ahead(kernels, nb.us, interactive.depth)
+    ahead = queued_ahead(kernels, interactive.depth)
     assert len(ahead) >= 20, f"the requests ran: {len(ahead)}"
     assert max(ahead) <= 1, ahead

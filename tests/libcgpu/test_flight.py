@@ -13,7 +13,9 @@ import time
 import pytest
 
 from cgpu_km.dataplane import region as region_mod
+from tests.daemon.simbox import SHAREWORK
 from tests.libcgpu.sandbox import UUID, Sandbox
+from tests.simgpu.kernel_trace import parse_trace, waiting_at_launch
 
 KERNEL_MS = 5
 BOUND = region_mod.DEFAULT_MAX_INFLIGHT
@@ -128,3 +130,35 @@ def test_a_closed_gate_drain_is_answered(sandbox: Sandbox, bound: int) -> None:
     if not bound:
         # more than a bound would have let be queued kept running after the close
         assert drained_ms >= MANY * KERNEL_MS, drained_ms
+
+
+def most_waiting(sandbox: Sandbox, *, managed: bool = True) -> int:
+    """`sharework` with 16 streams of 5 ms kernels, 2 deep, on the fifo engine: the most
+    kernels that were queued, not yet started, when one of its kernels was launched
+    (from simgpu's own record)."""
+    trace = sandbox.tmp / "kernels.trace"
+    trace.unlink(missing_ok=True)
+    result = subprocess.run(
+        [str(SHAREWORK), "--us", str(KERNEL_MS * 1000), "--seconds", "0.4", "--depth", "2",
+         "--streams", "16"],
+        env=sandbox.env(preload=managed, region=managed, SIMGPU_SCHED="fifo",
+                        SIMGPU_KERNEL_TRACE=str(trace)),
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    kernels = parse_trace(trace.read_text())
+    assert len(kernels) >= 40, len(kernels)
+    return max(waiting_at_launch(kernels, i) for i in range(len(kernels)))
+
+
+def test_queued_gpu_time_is_bounded_over_all_streams(sandbox: Sandbox) -> None:
+    """Two launches per stream would leave 30 kernels (150 ms) waiting; the budget (4 ms
+    unless the region says) holds the process to one kernel of 5 ms at a time, so that
+    none waits; the region's budget is what counts, and an unmanaged process has none."""
+    region = sandbox.make_region(0)
+    assert region.queue_ns(0) == 0
+    assert most_waiting(sandbox) == 0
+    region.set_queue_ns(0, 10 * KERNEL_MS * 1_000_000)  # 10 kernels' worth
+    assert 5 <= most_waiting(sandbox) <= 11
+    assert most_waiting(sandbox, managed=False) >= 25  # 2 per stream, one running
+    with pytest.raises(region_mod.RegionError, match="queue_ns must be"):
+        region.set_queue_ns(0, -1)
