@@ -34,8 +34,16 @@
  * capture elsewhere is not disturbed. A failed record or wait only drops the
  * marker, never fails the launch.
  *
+ * Per stream is not enough (64 streams of 20 ms kernels, 2 launches each,
+ * queue 2.5 s), so the process's queue on each GPU, all streams together,
+ * is held to a budget of GPU time too, the region's gpu.queue_ns (see
+ * struct queue and hold_to_budget below): when a marker is recorded and the
+ * launches behind the outstanding markers, times the measured time per
+ * launch, are over it, the launching thread waits for the process's oldest
+ * markers, on whichever stream.
+ *
  * The fast path (no marker due): one driver call (cuCtxGetCurrent), a
- * thread-local cache probe and one relaxed atomic add. Entries live in a
+ * thread-local cache probe, one atomic add and a compare. Entries live in a
  * fixed table; a destroyed stream's entry keeps its context's events for the
  * next stream of that context, a destroyed context's entries forget theirs.
  */

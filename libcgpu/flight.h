@@ -5,7 +5,9 @@
  * still runs. flight.c keeps that queue short: per stream, a completion
  * marker (an event) every K launches, and a wait for the oldest marker when
  * more than M are outstanding, so at most about K*M launches per stream are
- * queued (the region's gpu.max_inflight, or $CGPU_MAX_INFLIGHT).
+ * queued (the region's gpu.max_inflight, or $CGPU_MAX_INFLIGHT), and the
+ * GPU time the process has queued over all its streams is held to the
+ * region's gpu.queue_ns.
  */
 #ifndef CGPU_FLIGHT_H
 #define CGPU_FLIGHT_H
@@ -35,7 +37,8 @@ struct flight;
 
 /* After a successful launch on `stream` of container GPU g (`ptsz`: the
  * per-thread default stream variant, where NULL means that stream): count
- * it on its stream's entry, which it returns (NULL: not tracked). */
+ * it on its stream's entry, which it returns when a marker is due (NULL:
+ * none is, or the stream is not tracked). */
 struct flight *cgpu_flight_count(int g, CUstream stream, int ptsz) CGPU_HIDDEN;
 /* Then, outside the launch: hold the stream's queue to the bound; may wait
  * for earlier launches of the stream to finish. */

@@ -39,7 +39,8 @@
  *    drained_ns, the time its last marker completed. The holder's GPU time
  *    is from the grant to the last answer; only then is the next container
  *    granted. Processes keep their queued work short (gpu.max_inflight
- *    launches per stream, libcgpu/flight.c), so a drain is short too.
+ *    launches per stream, and gpu.queue_ns of GPU time over all streams,
+ *    libcgpu/flight.c), so a drain is short too.
  *  - The account can be rewritten by any process of the container, so it is
  *    not the only word on memory: every memory round the daemon publishes in
  *    control.seen what the kernel's view (NVML by pid namespace and cgroup)
