@@ -34,7 +34,13 @@ extern struct cgpu_account *cgpu_account_ptr CGPU_HIDDEN;
 extern struct cgpu_proc *cgpu_slot_ptr CGPU_HIDDEN;
 
 /* Map the region once; returns its control part or NULL. Thread safe. */
-const struct cgpu_control *cgpu_region(void) CGPU_HIDDEN;
+const struct cgpu_control *cgpu_region_attach(void) CGPU_HIDDEN;
+
+static inline const struct cgpu_control *cgpu_region(void)
+{
+    const struct cgpu_control *r = __atomic_load_n(&cgpu_region_ptr, __ATOMIC_ACQUIRE);
+    return cgpu_likely(r != NULL) ? r : cgpu_region_attach();
+}
 /* This process's slot, claimed on first use; NULL if every slot is taken. */
 struct cgpu_proc *cgpu_slot_claim(void) CGPU_HIDDEN;
 

@@ -64,7 +64,7 @@
 #define FLIGHT_DRAIN_NS 4000000ull /* queued work per stream, at most about (4 ms) */
 #define FLIGHT_MIN_BOUND 2u
 #define FLIGHT_PROBE_LAUNCHES 64u /* at the bound's minimum while the time is unknown */
-#define FLIGHT_UNMEASURED_QUEUE 1u /* launches a process may queue before its time is known */
+#define FLIGHT_UNMEASURED_QUEUE 1u /* launches a process keeps queued until its time is known */
 #define FLIGHT_UNBOUNDED_RECHECK 64u /* launches between reads of an unbounded bound */
 /* Not CU_EVENT_BLOCKING_SYNC: on an H200 such a marker every 4 launches cost
  * 1 % of the throughput of 50 us kernels (an interrupt per marker, and a
@@ -122,8 +122,12 @@ static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static int env_bound = ENV_UNREAD;
 static struct queue queues[CGPU_MAX_GPUS];
 
-static __thread struct flight *cache[CACHE_WAYS];
-static __thread char thread_token; /* its address names the thread */
+/* initial-exec: read with one instruction, not a __tls_get_addr call per
+ * launch (libcgpu is preloaded, so its TLS is in the static block; these few
+ * bytes fit the surplus glibc keeps even where it is loaded later). */
+#define FAST_TLS __attribute__((tls_model("initial-exec")))
+static __thread struct flight *cache[CACHE_WAYS] FAST_TLS;
+static __thread char thread_token FAST_TLS; /* its address names the thread */
 
 static int read_env_bound(void)
 {
@@ -192,7 +196,8 @@ static void set_key(struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owne
 
 /* The entry of a key, claimed if new: a retired entry of the same context
  * first (its events are that context's), then a free one. NULL when full. */
-static struct flight *find_or_claim(uintptr_t ctx, uintptr_t s, uintptr_t owner, int g)
+static __attribute__((noinline, cold)) struct flight *find_or_claim(uintptr_t ctx, uintptr_t s,
+                                                                    uintptr_t owner, int g)
 {
     static int said_full;
     struct flight *hit = NULL, *retired = NULL, *free_entry = NULL;
@@ -392,15 +397,18 @@ static uint64_t budget_of(const struct cgpu_control *r, int g)
     return budget != 0 ? budget : CGPU_DEFAULT_QUEUE_NS;
 }
 
-/* Whether the process's queue on GPU g is over its budget: its outstanding
- * launches times their measured GPU time (a few launches while unmeasured). */
+/* Whether the process's queue on GPU g is over its budget: what is queued
+ * ahead of the newest launch, the outstanding launches but one times their
+ * measured GPU time (a few launches while unmeasured). The newest is never
+ * counted: it keeps the GPU busy while the host wakes to launch the next,
+ * and costs a waking neighbour one kernel. */
 static int over_budget(const struct cgpu_control *r, int g)
 {
     uint64_t queued = __atomic_load_n(&queues[g].launches, __ATOMIC_RELAXED);
     uint64_t per = __atomic_load_n(&queues[g].per_launch_ns, __ATOMIC_RELAXED);
     if (per == 0)
         return queued > FLIGHT_UNMEASURED_QUEUE;
-    return queued * per > budget_of(r, g);
+    return queued > 1 && (queued - 1) * per > budget_of(r, g);
 }
 
 /* Of the process's other entries on GPU g, retire the markers found complete

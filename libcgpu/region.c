@@ -311,11 +311,8 @@ static void region_attach(void)
     __atomic_store_n(&cgpu_region_ptr, c, __ATOMIC_RELEASE);
 }
 
-const struct cgpu_control *cgpu_region(void)
+const struct cgpu_control *cgpu_region_attach(void)
 {
-    const struct cgpu_control *r = __atomic_load_n(&cgpu_region_ptr, __ATOMIC_ACQUIRE);
-    if (cgpu_likely(r != NULL))
-        return r;
     pthread_once(&region_once, region_attach);
     return __atomic_load_n(&cgpu_region_ptr, __ATOMIC_ACQUIRE);
 }

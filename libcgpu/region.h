@@ -75,13 +75,13 @@
  * about this many launches per stream queued ahead of the GPU, so a closed
  * gate takes effect within that many kernels (0 = unbounded). */
 #define CGPU_DEFAULT_MAX_INFLIGHT 16u
-/* gpu.queue_ns is the GPU time a process may keep queued on the GPU, all its
- * streams together, as libcgpu estimates it (libcgpu/flight.c). When the
- * daemon does not say (0): what a process keeps at most while no other
- * container waits for the GPU, which is
- * what a container that wakes waits behind; the dispatcher writes
- * CGPU_CONTENDED_QUEUE_NS while one does. A kernel longer than the budget
- * runs alone: the next launch waits until it has finished. */
+/* gpu.queue_ns is the GPU time a process may keep queued on the GPU ahead
+ * of its newest launch, all its streams together, as libcgpu estimates it
+ * (libcgpu/flight.c). When the daemon does not say (0): what a process
+ * keeps at most while no other container waits for the GPU, which is what
+ * a container that wakes waits behind (and one kernel); the dispatcher
+ * writes CGPU_CONTENDED_QUEUE_NS while one does. With kernels longer than
+ * the budget, one runs while the next waits to start. */
 #define CGPU_DEFAULT_QUEUE_NS 4000000ULL
 #define CGPU_CONTENDED_QUEUE_NS 1000000ULL
 /* gpu.ctx_bytes: measure each process's context when it is created (the

@@ -4,10 +4,10 @@ The real daemon and `cgpu-run` containers on simgpu's fifo engine, where a
 kernel runs only once everything booked before it has run (no time slicing
 between processes hides a queue): what a request waits behind is what its
 neighbour had queued when the request's first kernel reached the driver.
-libcgpu holds each process's queued GPU time, over all its streams, to a
-budget that a kernel longer than it fills alone, so a neighbour with 64
-streams of 20 ms kernels 2 deep (128 launches, 2.5 s, without the budget)
-keeps one. Counted on simgpu's own record of every kernel it booked
+libcgpu holds each process's GPU time queued ahead of its newest launch,
+over all its streams, to a budget, so a neighbour with 64 streams of 20 ms
+kernels 2 deep (128 launches, 2.5 s, without the budget) keeps one running
+and one waiting. Counted on simgpu's own record of every kernel it booked
 (SIMGPU_KERNEL_TRACE), never on a clock: for each request, the neighbour's
 kernels booked before its first one that had not started when it was
 launched. The wait at the gate before that launch is the scheduler's, tested

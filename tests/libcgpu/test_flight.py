@@ -152,13 +152,15 @@ def most_waiting(sandbox: Sandbox, *, managed: bool = True) -> int:
 
 def test_queued_gpu_time_is_bounded_over_all_streams(sandbox: Sandbox) -> None:
     """Two launches per stream would leave 30 kernels (150 ms) waiting; the budget (4 ms
-    unless the region says) holds the process to one kernel of 5 ms at a time, so that
-    none waits; the region's budget is what counts, and an unmanaged process has none."""
+    unless the region says) counts what is queued ahead of the newest launch, so a
+    5 ms kernel is launched only when the one before it runs; the region's budget is
+    what counts, and an unmanaged process has none."""
     region = sandbox.make_region(0)
     assert region.queue_ns(0) == 0
-    assert most_waiting(sandbox) == 0
+    assert most_waiting(sandbox) <= 1
     region.set_queue_ns(0, 10 * KERNEL_MS * 1_000_000)  # 10 kernels' worth
-    assert 5 <= most_waiting(sandbox) <= 11
+    # about 10 (the time per launch is measured by host wake-ups: it wanders a little)
+    assert 4 <= most_waiting(sandbox) <= 20
     assert most_waiting(sandbox, managed=False) >= 25  # 2 per stream, one running
     with pytest.raises(region_mod.RegionError, match="queue_ns must be"):
         region.set_queue_ns(0, -1)
