@@ -200,11 +200,34 @@ static int complete(const struct options *o, struct gpu *g, struct tally *t, int
     return 0;
 }
 
+/* Count the launches of every stream that have completed, oldest first, without
+ * waiting; 0, or 1 when a query failed. */
+static int reap(const struct options *o, struct gpu *g, struct tally *t, int me,
+                int64_t end_ns, size_t nbuckets)
+{
+    for (int s = 0; s < o->streams; s++) {
+        while (g->done[s] < g->launched[s]) {
+            CUresult r = cuEventQuery(g->events[s][g->done[s] % (uint64_t)o->depth]);
+            if (r == CUDA_ERROR_NOT_READY)
+                break;
+            if (check(r, "cuEventQuery"))
+                return 1;
+            g->done[s]++;
+            tally_add(o, t, me, now_ns(), end_ns, nbuckets, 1);
+        }
+    }
+    return 0;
+}
+
 /* Kernels back to back, --depth outstanding on each stream in turn. */
 static int busy_loop(const struct options *o, struct gpu *g, struct tally *t, int me,
                      int64_t end_ns, size_t nbuckets)
 {
     for (int s = 0; !stop && now_ns() < end_ns; s = (s + 1) % o->streams) {
+        /* With many streams a stream comes round again only after the others'
+         * launches: count what completed meanwhile when it completed, not then. */
+        if (o->streams > 1 && reap(o, g, t, me, end_ns, nbuckets))
+            return 1;
         if (g->launched[s] - g->done[s] == (uint64_t)o->depth &&
             complete(o, g, t, me, s, end_ns, nbuckets))
             return 1;
