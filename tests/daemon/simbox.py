@@ -197,3 +197,10 @@ class SimHost:
             self.stop(name)
         if self.daemon is not None and self.daemon.poll() is None:
             self.kill_daemon(signal.SIGTERM)
+
+
+def held_at(share: float, cap: float) -> bool:
+    """Whether a capped share is at its cap: never more than 3 points above it (the
+    scheduler's error), and at most 7 below (time this loaded two-core host's stalls take
+    from the workload's own process, which only ever lowers what it completes)."""
+    return cap - 0.07 <= share <= cap + 0.03

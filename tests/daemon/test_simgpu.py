@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench.shares import Report, Workload, fraction, measure, started, summarize
-from tests.daemon.simbox import SimHost, missing
+from tests.daemon.simbox import SimHost, held_at, missing
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 US = 1000  # 1 ms kernels
@@ -33,13 +33,6 @@ def host(tmp_path: Path, control_tree: Path) -> Iterator[SimHost]:
 def steady(report: Report, seconds: float) -> float:
     """The share of the GPU's time it filled from 1 s to the end."""
     return fraction(report, US, report.t0 + 1, report.t0 + seconds)
-
-
-def held_at(share: float, cap: float) -> bool:
-    """Whether a capped share is at its cap: never more than 3 points above it (the
-    scheduler's error), and at most 7 below (time this loaded two-core host's stalls take
-    from the workload's own process, which only ever lowers what it completes)."""
-    return cap - 0.07 <= share <= cap + 0.03
 
 
 def settled(report: Report, start: float, end: float, ok: Callable[[float], bool],
