@@ -310,6 +310,15 @@ static void queue_done(const struct flight *f, unsigned slot, int blocked, uint6
         __atomic_store_n(&q->last_done_pos, pos, __ATOMIC_RELAXED);
 }
 
+/* Take the oldest marker of f (held) off its ring; its slot. */
+static unsigned pop_oldest(struct flight *f)
+{
+    unsigned slot = f->head;
+    f->head = (slot + 1) % FLIGHT_SLOTS;
+    f->count--;
+    return slot;
+}
+
 /* Whether the oldest marker of f (held) is complete; if so it is retired. */
 static int oldest_done(struct flight *f)
 {
@@ -317,8 +326,7 @@ static int oldest_done(struct flight *f)
     if (f->ev[slot] == NULL || cgpu_flight_cu.event_query == NULL ||
         cgpu_flight_cu.event_query(f->ev[slot]) != CUDA_SUCCESS)
         return 0;
-    f->head = (f->head + 1) % FLIGHT_SLOTS;
-    f->count--;
+    pop_oldest(f);
     f->done_since += f->launches[slot]; /* counted in the next blocking wait */
     queue_done(f, slot, 0, 0, 0);
     return 1;
@@ -336,16 +344,14 @@ static void wait_oldest(struct flight *f, const struct cgpu_control *r, int g, i
     CUevent ev = f->ev[slot];
     uint32_t launches = f->launches[slot];
     if (ev == NULL || cgpu_flight_cu.event_synchronize == NULL) {
-        f->head = (f->head + 1) % FLIGHT_SLOTS;
-        f->count--;
+        pop_oldest(f);
         queue_done(f, slot, 0, 0, 0);
         f->last_done_ns = 0;
         return;
     }
     if (oldest_done(f))
         return;
-    f->head = (f->head + 1) % FLIGHT_SLOTS;
-    f->count--;
+    pop_oldest(f);
     struct cgpu_proc *me = cgpu_slot();
     if (me != NULL)
         __atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
