@@ -145,6 +145,14 @@ def fuzz_beside_two(node: Node, seconds: float, mode: str) -> FuzzRun:
     return FuzzRun(a, b, t0, start, end, answer, alive, published_after)
 
 
+def held_at_both(shares: tuple[float, float]) -> bool:
+    """Whether the weight-1 and weight-2 containers hold their fixed 1/4 and 1/2 (the
+    idle third's quarter is given to nobody under policy 2), as `held_at` bounds a cap:
+    the fuzzer's CPU load can take a little from them, never give them more."""
+    first, second = shares
+    return held_at(first, 0.25) and held_at(second, 0.5)
+
+
 def assert_daemon_unharmed(run: FuzzRun) -> None:
     assert int(run.answer["writes"]) > 100_000
     assert run.answer["control_writes"] == "0"  # the control part refused every write
@@ -157,8 +165,8 @@ def test_random_bytes_in_the_account_change_nothing_for_the_neighbours(node: Nod
     it can open under /run/cgpu for 3 s (the account part; the control part refuses)."""
     run = fuzz_beside_two(node, 3, "bytes")
     assert_daemon_unharmed(run)
-    assert run.shares(run.t0 + 0.5, run.start) == pytest.approx((0.25, 0.5), abs=0.04)
-    assert run.shares(run.start, run.end) == pytest.approx((0.25, 0.5), abs=0.04)
+    assert held_at_both(run.shares(run.t0 + 0.5, run.start))
+    assert held_at_both(run.shares(run.start, run.end))
     during = (count(run.first, run.start, run.end), count(run.second, run.start, run.end))
     assert during[1] / during[0] == pytest.approx(2.0, rel=0.08)
     assert run.fewest(1.0) > 150  # gates keep opening: each second, 250 and 500 due
@@ -192,4 +200,4 @@ def test_forged_slots_cost_the_neighbours_nothing(forged_run: FuzzRun) -> None:
     the GPU idle is charged to it and stays owed to the others (the switch after it is
     owed to nobody), and its rings, once it is seen waiting, wake nobody."""
     run = forged_run
-    assert run.shares(run.start, run.end) == pytest.approx((0.25, 0.5), abs=0.04)
+    assert held_at_both(run.shares(run.start, run.end))
