@@ -67,9 +67,13 @@ void cgpu_over_limit(int g, uint64_t request) CGPU_HIDDEN;
 long cgpu_futex_wait(const uint32_t *addr, uint32_t val, uint64_t timeout_ns) CGPU_HIDDEN;
 /* Bump GPU g's doorbell and wake the daemon waiting on it. */
 void cgpu_ring(int g) CGPU_HIDDEN;
-/* Wait while the gate of GPU g is closed: 1 once it opened, 0 when it fails
- * open because the daemon's heartbeat is stale. */
-int cgpu_gate_wait(int g) CGPU_HIDDEN;
+/* Wait while the gate of GPU g is closed: CGPU_PASS_OPENED once it opened,
+ * CGPU_PASS_ARMED when it is armed (see region.h), CGPU_PASS_FAILED_OPEN when
+ * the daemon's heartbeat is stale. */
+enum cgpu_pass { CGPU_PASS_FAILED_OPEN, CGPU_PASS_OPENED, CGPU_PASS_ARMED };
+enum cgpu_pass cgpu_gate_wait(int g) CGPU_HIDDEN;
+/* A launch passed GPU g's armed gate: ring, once per arming. */
+void cgpu_armed_ring(int g) CGPU_HIDDEN;
 
 /* Launches of this process between passing a gate and the driver's return,
  * per container GPU: a drain (watch.c) waits for them to reach the driver. */
@@ -100,6 +104,7 @@ static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
 {
     if (cgpu_unlikely(!__atomic_load_n(&cgpu_watching[g], __ATOMIC_RELAXED)))
         cgpu_watch(g);
+    int armed = 0;
     for (;;) {
         if (cgpu_likely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_ACQUIRE) == CGPU_GATE_OPEN)) {
             __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
@@ -108,14 +113,25 @@ static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
                 break;
             __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
         }
-        if (!cgpu_gate_wait(g)) {
+        enum cgpu_pass pass = cgpu_gate_wait(g);
+        if (pass == CGPU_PASS_FAILED_OPEN) {
             __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
             break;
+        }
+        if (pass == CGPU_PASS_ARMED) { /* as above: a drain sees it, or it sees the close */
+            __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&r->gpu[g].gate, __ATOMIC_SEQ_CST) != CGPU_GATE_CLOSED) {
+                armed = 1;
+                break;
+            }
+            __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
         }
     }
     struct cgpu_proc *s = cgpu_slot();
     if (cgpu_likely(s != NULL))
         __atomic_fetch_add(&s->gpu[g].launches, 1, __ATOMIC_RELAXED);
+    if (cgpu_unlikely(armed)) /* after the count: the daemon looks at it when woken */
+        cgpu_armed_ring(g);
 }
 
 static inline void cgpu_launch_exit(int g)

@@ -663,19 +663,34 @@ void cgpu_ring(int g)
     syscall(SYS_futex, &a->doorbell[g], FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
+/* The gate_changes of the arming each GPU's armed gate last rang for. */
+static uint64_t armed_rung[CGPU_MAX_GPUS];
+
+void cgpu_armed_ring(int g)
+{
+    uint64_t arming = __atomic_load_n(&cgpu_region_ptr->gpu[g].gate_changes, __ATOMIC_ACQUIRE);
+    if (__atomic_exchange_n(&armed_rung[g], arming, __ATOMIC_RELAXED) != arming)
+        cgpu_ring(g);
+}
+
 #define GATE_MAX_SLEEP_NS 100000000ull /* re-check at least every 100 ms */
 
-int cgpu_gate_wait(int g)
+enum cgpu_pass cgpu_gate_wait(int g)
 {
     const struct cgpu_control *r = cgpu_region_ptr;
     struct cgpu_proc *me = cgpu_slot();
     const uint32_t *gate = &r->gpu[g].gate;
     uint64_t t0 = cgpu_now_ns();
-    int counted = 0, opened = 1;
+    int counted = 0;
+    enum cgpu_pass pass = CGPU_PASS_OPENED;
     for (;;) {
         uint32_t closed = __atomic_load_n(gate, __ATOMIC_ACQUIRE);
         if (closed == CGPU_GATE_OPEN)
             break;
+        if (closed == CGPU_GATE_ARMED) {
+            pass = CGPU_PASS_ARMED;
+            break;
+        }
         uint64_t hb = __atomic_load_n(&r->heartbeat_ns, __ATOMIC_ACQUIRE);
         uint64_t timeout = __atomic_load_n(&r->gate_timeout_ns, __ATOMIC_RELAXED);
         if (timeout == 0)
@@ -683,7 +698,7 @@ int cgpu_gate_wait(int g)
         uint64_t now = cgpu_now_ns();
         uint64_t age = now > hb ? now - hb : 0;
         if (hb == 0 || age >= timeout) {
-            opened = 0; /* the daemon is gone: fail open */
+            pass = CGPU_PASS_FAILED_OPEN; /* the daemon is gone */
             break;
         }
         uint64_t wait = timeout - age;
@@ -701,5 +716,5 @@ int cgpu_gate_wait(int g)
         __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);
         __atomic_fetch_add(&me->gpu[g].gate_wait_ns, cgpu_now_ns() - t0, __ATOMIC_RELAXED);
     }
-    return opened;
+    return pass;
 }

@@ -97,9 +97,13 @@
 #define CGPU_MODE_CGPU 0u
 #define CGPU_MODE_EGPU 1u
 
-/* control.gpu.gate (futex word) */
+/* control.gpu.gate (futex word). ARMED: closed, but a launch may pass and
+ * ring the doorbell (once per arming, gate_changes); the daemon then grants
+ * the GPU or closes the gate. It arms the containers that would take the GPU
+ * at once if they waited, so that they need not wait for it to say so. */
 #define CGPU_GATE_OPEN 0u
 #define CGPU_GATE_CLOSED 1u
+#define CGPU_GATE_ARMED 2u
 
 /* account.proc.state */
 #define CGPU_SLOT_FREE 0u
@@ -117,7 +121,7 @@ struct cgpu_gpu {
     uint32_t host_index;     /* the GPU's index on the host (NVML index) */
     uint64_t gate_changes;   /* times the gate was opened or closed */
     uint64_t close_seq;      /* bumps at every close; answered in proc.gpu.drained_seq */
-    uint64_t grant_ns;       /* when the current grant began; 0 while the gate is closed */
+    uint64_t grant_ns;       /* when the current grant began; 0 while the gate is not open */
     char uuid[CGPU_UUID_LEN]; /* "GPU-...", matched against the driver; "" = by ordinal */
     uint32_t max_inflight;   /* launches a process may keep queued per stream; 0 = unbounded */
     uint32_t reserved32;     /* 0 */

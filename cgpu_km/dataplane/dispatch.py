@@ -55,9 +55,11 @@ class GpuPort(Protocol):
     def observe(self) -> Mapping[str, Observation]:
         """What each container shows now."""
 
-    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0) -> None:
-        """Open the gates of `open_` and close the others'; `queue_ns`: the GPU
-        time each process may keep queued (0: libcgpu's default)."""
+    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
+              armed: frozenset[str] = frozenset()) -> None:
+        """Open the gates of `open_`, arm those of `armed` and close the others';
+        `queue_ns`: the GPU time each process may keep queued (0: libcgpu's
+        default)."""
 
     def heartbeat(self, now_ns: int) -> None:
         """Tell every container that the daemon is alive."""
@@ -156,7 +158,8 @@ class Dispatcher:
             late = self._scheduler.late
             native = self._scheduler.config.policy is Policy.NATIVE
         self.port.apply(decision.open, now,
-                        0 if native else queue_budget(decision, observed, late))
+                        0 if native else queue_budget(decision, observed, late),
+                        decision.armed)
         if log.isEnabledFor(logging.DEBUG) and (before is None or before.open != decision.open):
             log.debug("GPU %d at %.4f: open %s (waiting %s; drained %s)", self.gpu, now / 1e9,
                       ",".join(sorted(decision.open)) or "-",
@@ -211,8 +214,8 @@ class RegionPort:
         self._rung: dict[str, int] = {}  # doorbell values at the last observation
         self._kick = ctypes.c_uint32(0)
         self._lock = threading.Lock()
-        self._applied: tuple[frozenset[str], frozenset[str], int] = (
-            frozenset(), frozenset(), -1)
+        self._applied: tuple[frozenset[str], frozenset[str], int, frozenset[str]] = (
+            frozenset(), frozenset(), -1, frozenset())
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
 
@@ -250,14 +253,16 @@ class RegionPort:
         self._rung = rung
         return found
 
-    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0) -> None:
+    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
+              armed: frozenset[str] = frozenset()) -> None:
         entries = self.entries()
-        if (open_, frozenset(entries), queue_ns) == self._applied:
+        applied = (open_, frozenset(entries), queue_ns, armed)
+        if applied == self._applied:
             return  # nothing changed since the last time (the common case)
         for name, (region, k) in entries.items():
             region.set_queue_ns(k, queue_ns)  # before a grant: the grantee starts tight
-            region.set_gate(k, name in open_, now_ns)
-        self._applied = (open_, frozenset(entries), queue_ns)
+            region.set_gate(k, name in open_, now_ns, armed=name in armed)
+        self._applied = applied
 
     def heartbeat(self, now_ns: int) -> None:
         for region, _k in self.entries().values():

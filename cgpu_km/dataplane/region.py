@@ -59,6 +59,7 @@ MODES = {"cgpu": MODE_CGPU, "egpu": MODE_EGPU}
 
 GATE_OPEN = 0
 GATE_CLOSED = 1
+GATE_ARMED = 2  # closed, but a launch passes and rings (region.h)
 
 SLOT_FREE = 0
 SLOT_CLAIMING = 1
@@ -541,22 +542,27 @@ class Region:
             raise RegionError(f"queue_ns must be 0 to 2**64 - 1, not {budget_ns}")
         self._gpu(k).queue_ns = budget_ns
 
-    def set_gate(self, k: int, is_open: bool, now_ns: int = 0) -> None:
-        """Open the gate of container GPU k (a grant: waiters wake), or close it.
+    def set_gate(self, k: int, is_open: bool, now_ns: int = 0, *, armed: bool = False) -> None:
+        """Open the gate of container GPU k (a grant: waiters wake), arm it (a
+        launch passes and rings: waiters wake), or close it.
 
-        A close that changes the gate bumps `close_seq` and wakes the
+        A close that changes the gate (from open, or from armed, through which
+        processes may have launched) bumps `close_seq` and wakes the
         processes' watchers, which answer once their queued work drained."""
         entry = self._gpu(k)
-        value = GATE_OPEN if is_open else GATE_CLOSED
-        if entry.gate == value:
+        value = GATE_OPEN if is_open else GATE_ARMED if armed else GATE_CLOSED
+        was = entry.gate
+        if was == value:
             return
         entry.gate = value
         entry.gate_changes += 1
-        if is_open:
-            entry.grant_ns = now_ns or time.monotonic_ns()
+        if value != GATE_CLOSED:
+            if is_open:
+                entry.grant_ns = now_ns or time.monotonic_ns()
             futex_wake_all(self._gate_address(k))
-        else:
+        if not is_open:
             entry.grant_ns = 0
+        if value == GATE_CLOSED or was == GATE_OPEN:
             entry.close_seq += 1
             self._control.wake = (self._control.wake + 1) & 0xFFFFFFFF
             futex_wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)

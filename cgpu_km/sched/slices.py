@@ -34,6 +34,15 @@ is paid half by each. A busy container waiting on past its own turn never
 rests, so between busy containers slices and drains are as above; at most
 MAX_OVERLAP handover drains run at once.
 
+Armed gates, so that a waking container does not wait for the caller
+either: each decision names the containers that would take the GPU at once
+if they started waiting now (`SliceDecision.armed`: rested, eligible, of
+the holder's priority or higher). Their gates let a launch through and ring
+the doorbell; the next step sees the launches as a wait and hands the GPU
+over as above. Until that step the container runs uncharged beside the
+holder, which pays for the span: at most the caller's latency, once per
+rest.
+
 States: the GPU is in one of these (`SliceScheduler.state`, frozen values;
 each step goes through the one transition function of the present state)::
 
@@ -117,6 +126,9 @@ class SliceDecision:
     holder: str | None
     wake_at: float
     shares: Mapping[str, Fraction] = field(default_factory=dict)
+    # Gates that let a launch through until the next step: a launch there is a
+    # wait (`SliceScheduler` docstring: armed gates).
+    armed: frozenset[str] = frozenset()
 
     def is_open(self, name: str) -> bool:
         return name in self.open
@@ -235,6 +247,7 @@ class SliceScheduler:
         self._active: frozenset[str] = frozenset()
         self._state: State = IDLE
         self._late: dict[str, Late] = {}
+        self._armed: frozenset[str] = frozenset()
         self._set_allot()
 
     @property
@@ -319,6 +332,7 @@ class SliceScheduler:
         if dt < 0:
             raise ValueError(f"time went backwards: {now} < {self._now}")
         self._now = now
+        observed = self._launched_through_armed(observed)
         for name, acc in self._accounts.items():
             seen = observed.get(name, NOTHING)
             if seen.waiting:
@@ -344,6 +358,18 @@ class SliceScheduler:
         if self._config.policy is Policy.NATIVE:
             return self._native(now, dt)
         return self._exclusive(now, observed)
+
+    def _launched_through_armed(self, observed: Mapping[str, Observation],
+                                ) -> Mapping[str, Observation]:
+        """`observed`, where a container that launched through its armed gate
+        since the last step is waiting (it wants the GPU as one at the gate)."""
+        through = {n for n in self._armed & self._accounts.keys()
+                   if (seen := observed.get(n)) is not None and not seen.waiting
+                   and self._accounts[n].last_launches not in (None, seen.launches)}
+        if not through:
+            return observed
+        return {n: replace(seen, waiting=True) if n in through else seen
+                for n, seen in observed.items()}
 
     def _accrue(self, dt: float) -> None:
         holder = self.holder
@@ -622,8 +648,37 @@ class SliceScheduler:
     def _decision(self, open_: frozenset[str], wake_at: float) -> SliceDecision:
         deadlines = (late.deadline for late in self._late.values() if late.deadline is not None)
         wake_at = min((wake_at, *deadlines))  # when a handover's drain is cut
-        return SliceDecision(open=open_, holder=self.holder, wake_at=wake_at,
-                             shares=dict(self._shares))
+        armed, rested_at = self._arm(open_)
+        self._armed = armed
+        return SliceDecision(open=open_, holder=self.holder, wake_at=min(wake_at, rested_at),
+                             shares=dict(self._shares), armed=armed)
+
+    def _arm(self, open_: frozenset[str]) -> tuple[frozenset[str], float]:
+        """The containers that would take the GPU at once if they waited now (as
+        `_waking` has it: rested, eligible, of the holder's priority or
+        higher), and when the next of the others has rested long enough."""
+        if (self._config.policy is Policy.NATIVE or self._now is None
+                or sum(late.deadline is not None for late in self._late.values())
+                >= MAX_OVERLAP):
+            return frozenset(), NEVER
+        holder = self.holder
+        prio = holder is not None and self._allot[holder].preempts
+        slack = self.quantum * ELIGIBLE_SLACK_QUANTA
+        armed: set[str] = set()
+        rested_at = NEVER
+        for name, acc in self._accounts.items():
+            spec = self._config.containers[name]
+            if (name in open_ or name in self._late or acc.last_waiting == self._now
+                    or spec.weight <= 0
+                    or (prio and not spec.highprio)
+                    or acc.credit < -slack or acc.cap_credit < -1e-9):
+                continue
+            ready = acc.last_active + self.quantum * REST_QUANTA
+            if ready <= self._now:
+                armed.add(name)
+            else:
+                rested_at = min(rested_at, ready)
+        return frozenset(armed), rested_at
 
     # -- state kept across a daemon restart or hot update -------------------
 

@@ -195,3 +195,37 @@ def test_gates_are_per_gpu(sandbox: Sandbox) -> None:
     out, _ = proc.communicate(timeout=10)
     assert out.endswith("launch 1 rc=0\n")
     assert region.activity(1).launches == 1
+
+
+def test_an_armed_gate_lets_launches_through_and_rings_once_per_arming(
+        sandbox: Sandbox) -> None:
+    region = sandbox.make_region(1 << 30, gates_open=False)  # no close to answer
+    sandbox.start_heartbeat()
+    region.set_gate(0, False, armed=True)
+    bell, seq = region.doorbell(0), region.close_seq(0)
+    result = sandbox.workload("launch", "5", "sleep_0", timeout=30)
+    assert result.stdout == "launch 5 rc=0\n", result.stderr
+    activity = region.activity(0)
+    assert activity.launches == 5
+    assert activity.pending == 0, "nobody waited at the gate"
+    # one ring for the arming (not one per launch), one as the process exits
+    assert region.doorbell(0) - bell == 2
+    assert region.close_seq(0) == seq, "arming a closed gate is no close"
+    region.set_gate(0, False)  # disarmed: what passed may still run, so this is a close
+    assert region.close_seq(0) == seq + 1
+
+
+def test_a_gate_closed_after_arming_holds_launches_again(sandbox: Sandbox) -> None:
+    region = sandbox.make_region(1 << 30)
+    sandbox.start_heartbeat()
+    region.set_gate(0, False, armed=True)
+    region.set_gate(0, False)
+    proc = start(sandbox, "exported", LAUNCHES["cuLaunchKernel"])
+    go(proc)
+    wait_pending(region, 1)
+    wait_parked(proc)
+    assert proc.poll() is None, "the launch went through a disarmed gate"
+    region.set_gate(0, False, armed=True)  # arming wakes the waiter, which passes
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, out + err
+    assert region.activity(0).pending == 0

@@ -41,6 +41,7 @@ CONSTANTS: dict[str, int | str] = {
     "CGPU_MODE_EGPU": region.MODE_EGPU,
     "CGPU_GATE_OPEN": region.GATE_OPEN,
     "CGPU_GATE_CLOSED": region.GATE_CLOSED,
+    "CGPU_GATE_ARMED": region.GATE_ARMED,
     "CGPU_SLOT_FREE": region.SLOT_FREE,
     "CGPU_SLOT_CLAIMING": region.SLOT_CLAIMING,
     "CGPU_SLOT_LIVE": region.SLOT_LIVE,

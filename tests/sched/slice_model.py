@@ -1,7 +1,7 @@
 """A GPU and its containers in simulated time, driving a `SliceScheduler`.
 
 The model is the one the product is built for: processes that launch
-kernels while their container's gate is open (at most `depth` queued each),
+kernels while their container's gate is open or armed (at most `depth` queued each),
 a GPU that time-slices between processes with queued work (as a real GPU
 does between contexts, `timeslice` each), and drain answers that come when a
 process's queue has emptied after a close (what libcgpu's watcher reports),
@@ -70,7 +70,7 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
 
     `demand(t, name)`: whether that container's processes want to launch at t."""
     names = sorted({p.container for p in procs})
-    open_: frozenset[str] = frozenset()
+    open_: frozenset[str] = frozenset()  # gates a launch passes: open or armed
     close_seq = dict.fromkeys(names, 0)
     closed_at: dict[str, float] = {}
     running: Proc | None = None
@@ -159,10 +159,11 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                     drained_at=max((p.drained_at for p in watching), default=0.0),
                 )
             decision = scheduler.step(t, observed)
-            for name in open_ - decision.open:
+            passing = decision.open | decision.armed
+            for name in open_ - passing:
                 close_seq[name] += 1
                 closed_at[name] = t
-            open_ = decision.open
+            open_ = passing
             wake_at = max(decision.wake_at, t + step_delay)
             if on_step is not None:
                 on_step(t)

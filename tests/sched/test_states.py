@@ -181,3 +181,54 @@ def test_a_removed_holder_leaves_the_gpu_idle() -> None:
     s.configure(GpuConfig(policy=Policy.PREEMPTIVE, containers={"b": W(1)}))
     assert state(s) == Idle()
     assert s.holder is None
+
+
+# -- armed gates ---------------------------------------------------------------
+
+
+def test_a_rested_container_is_armed_and_one_at_the_gate_is_not() -> None:
+    s = scheduler("a", "b", "c")
+    decision = s.step(0.0, {"a": WAITING, "b": busy(1)})
+    assert decision.holder == "b"  # the same credit: by name
+    assert decision.armed == {"c"}, "a waits at the gate; the holder's gate is open"
+    assert s.step(0.001, {"a": WAITING, "b": busy(2)}).armed == {"c"}
+
+
+def test_a_launch_through_an_armed_gate_takes_the_gpu_at_the_next_step() -> None:
+    s = scheduler("a", "b")
+    assert s.step(0.0, {"a": busy(1), "b": Observation()}).armed == {"b"}
+    # b launched through its armed gate: no process of it waits, yet it wants the GPU
+    taken = s.step(0.005, {"a": busy(3), "b": Observation(launches=2)})
+    assert taken.open == {"b"}
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.005,
+                               sharing="a")
+    assert s.late == {"a"}
+    assert taken.armed == frozenset(), "a is late: it drains before any new grant"
+
+
+def test_a_container_is_armed_once_it_has_rested_half_a_quantum() -> None:
+    s = scheduler("a", "b")
+    s.step(0.0, {"a": busy(1), "b": busy(1)})
+    later = s.step(0.001, {"a": busy(2), "b": Observation(launches=1)})
+    assert "b" not in later.armed, "b launched a moment ago: not rested"
+    assert later.wake_at <= 0.0101, "a step when b will have rested 10 ms"
+    assert "b" in s.step(0.0101, {"a": busy(3), "b": Observation(launches=1)}).armed
+
+
+def test_no_gate_is_armed_for_a_container_out_of_credit_nor_under_policy_5() -> None:
+    s = scheduler("a", "b", policy=Policy.WEIGHTED)  # 1/2 each, idle time stays idle
+    s.step(0.0, {"b": WAITING})
+    s.step(0.2, {"b": busy(100)})  # b held the GPU alone for 0.2 s: it owes 0.1 s
+    s.step(0.2005, {"b": Observation(launches=100, answered=True)})
+    assert "b" not in s.step(0.25, {"b": Observation(launches=100)}).armed
+    native = scheduler("a", "b", policy=Policy.NATIVE)
+    assert native.step(0.0, {}).armed == frozenset()
+
+
+def test_a_high_priority_holder_arms_only_high_priority_gates() -> None:
+    config = GpuConfig(policy=Policy.PREEMPTIVE, containers={
+        "hp": W(1, highprio=True), "lo": W(1), "hp2": W(1, highprio=True)})
+    s = SliceScheduler(config, quantum=0.02)
+    decision = s.step(0.0, {"hp": busy(1)})
+    assert decision.holder == "hp"
+    assert decision.armed == {"hp2"}
