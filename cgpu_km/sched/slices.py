@@ -656,7 +656,9 @@ class SliceScheduler:
     def _arm(self, open_: frozenset[str]) -> tuple[frozenset[str], float]:
         """The containers that would take the GPU at once if they waited now (as
         `_waking` has it: rested, eligible, of the holder's priority or
-        higher), and when the next of the others has rested long enough."""
+        higher), and when the next of the others has rested long enough. Never
+        the holder: a draining holder whose gate let launches through would not
+        drain."""
         if (self._config.policy is Policy.NATIVE or self._now is None
                 or sum(late.deadline is not None for late in self._late.values())
                 >= MAX_OVERLAP):
@@ -668,7 +670,8 @@ class SliceScheduler:
         rested_at = NEVER
         for name, acc in self._accounts.items():
             spec = self._config.containers[name]
-            if (name in open_ or name in self._late or acc.last_waiting == self._now
+            if (name in open_ or name == holder or name in self._late
+                    or acc.last_waiting == self._now
                     or spec.weight <= 0
                     or (prio and not spec.highprio)
                     or acc.credit < -slack or acc.cap_credit < -1e-9):

@@ -208,11 +208,22 @@ def test_a_launch_through_an_armed_gate_takes_the_gpu_at_the_next_step() -> None
 
 def test_a_container_is_armed_once_it_has_rested_half_a_quantum() -> None:
     s = scheduler("a", "b")
-    s.step(0.0, {"a": busy(1), "b": busy(1)})
-    later = s.step(0.001, {"a": busy(2), "b": Observation(launches=1)})
-    assert "b" not in later.armed, "b launched a moment ago: not rested"
-    assert later.wake_at <= 0.0101, "a step when b will have rested 10 ms"
-    assert "b" in s.step(0.0101, {"a": busy(3), "b": Observation(launches=1)}).armed
+    assert s.step(0.0, {"a": busy(1), "b": busy(1)}).holder == "b"  # the same credit: by name
+    later = s.step(0.001, {"a": Observation(launches=1), "b": busy(2)})
+    assert "a" not in later.armed, "a waited a moment ago: not rested"
+    assert later.wake_at <= 0.0101, "a step when a will have rested 10 ms"
+    assert "a" in s.step(0.0101, {"a": Observation(launches=1), "b": busy(3)}).armed
+
+
+def test_the_holder_is_not_armed_while_it_drains() -> None:
+    """A draining holder whose gate let launches through would never drain: its
+    drain would last to its limit while the others wait (validate.sh's policy 2
+    at batch 128, 4 x 3.7 ms kernels and a synchronize, showed 1:0.55 for 1:2)."""
+    s = draining_b()  # b last launched at 0.02, a waits at the gate
+    quiet = {"a": WAITING, "b": Observation(launches=1, answered=False)}
+    closed = s.step(0.035, quiet)  # b's kernels still run: no answer yet
+    assert state(s) == Draining("b", closed_at=0.02, paid_to=0.02)
+    assert "b" not in closed.armed, "15 ms without a launch, but its gate closed to drain"
 
 
 def test_no_gate_is_armed_for_a_container_out_of_credit_nor_under_policy_5() -> None:
