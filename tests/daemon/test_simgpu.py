@@ -21,6 +21,10 @@ from tests.daemon.simbox import SimHost, held_at, missing
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 US = 1000  # 1 ms kernels
+# A busy GPU, as a share of its time: every handover costs a few wake-ups of the daemon
+# and the workloads, milliseconds on this shared 2-core host (0.95 failed a CI run at
+# 0.949; here it is 0.99). An idling scheduler loses whole slices, far more than this.
+BUSY = 0.90
 
 
 @pytest.fixture
@@ -57,7 +61,7 @@ def test_weighted_one_to_two(host: SimHost) -> None:
     got = measure(host, [Workload("a", US, weight=1), Workload("b", US, weight=2)], 6)
     summary = summarize(got["a"], got["b"], 6, target=2.0)
     assert abs(summary.steady_error) <= 0.05, summary
-    assert steady(got["a"], 6) + steady(got["b"], 6) >= 0.95  # and the GPU stays busy
+    assert steady(got["a"], 6) + steady(got["b"], 6) >= BUSY  # and the GPU stays busy
 
 
 def test_fair_share_caps_at_one_over_max_inst(host: SimHost) -> None:
@@ -73,7 +77,7 @@ def test_preemptive_lone_active_container_gets_the_gpu(host: SimHost) -> None:
     host.start_daemon()
     host.idle("idle")
     got = measure(host, [Workload("a", US)], 4)
-    assert steady(got["a"], 4) >= 0.95
+    assert steady(got["a"], 4) >= BUSY
 
 
 def test_soft_lends_idle_time_then_shares_by_weight(host: SimHost) -> None:
@@ -85,7 +89,7 @@ def test_soft_lends_idle_time_then_shares_by_weight(host: SimHost) -> None:
         with started(host, [Workload("b", US, weight=2)], 5) as joined:
             b = joined.reports()["b"]
         a = alone.reports()["a"]
-    assert fraction(a, US, a.t0 + 1, a.t0 + 3) >= 0.9
+    assert fraction(a, US, a.t0 + 1, a.t0 + 3) >= BUSY
     both = summarize(a, b, 5, target=2.0)  # from b's start: a's buckets share b's clock
     assert abs(both.steady_error) <= 0.08, both
 
@@ -120,7 +124,7 @@ def test_policy_echo_takes_effect_at_once(host: SimHost) -> None:
         echoed = time.monotonic()
         host.echo("0/policy", 0)
         a = run.reports()["a"]
-    assert fraction(a, US, a.t0 + 1, a.t0 + 3) >= 0.95
+    assert fraction(a, US, a.t0 + 1, a.t0 + 3) >= BUSY
     settled(a, echoed, a.t0 + 7, lambda share: share <= 0.27, "capped at 1/4")
 
 
@@ -137,7 +141,7 @@ def test_a_dead_daemon_never_leaves_workloads_blocked(host: SimHost, sig: int) -
     assert fraction(a, US, a.t0 + 1, a.t0 + 3) <= 0.12
     # A stopped daemon opens the gates as it exits; a killed one's fail open once its
     # heartbeat is 2 s old (make bench prints how soon).
-    settled(a, gone, a.t0 + 12, lambda share: share >= 0.9, "the gates open")
+    settled(a, gone, a.t0 + 12, lambda share: share >= BUSY, "the gates open")
 
 
 def test_a_restarted_daemon_reattaches_and_holds_the_share_again(host: SimHost) -> None:
