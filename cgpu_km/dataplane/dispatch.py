@@ -29,6 +29,7 @@ from typing import Protocol
 from cgpu_km.dataplane import futex
 from cgpu_km.dataplane.region import CONTENDED_QUEUE_NS, Region
 from cgpu_km.sched import (
+    NOTHING,
     QUANTUM,
     GpuConfig,
     Observation,
@@ -211,6 +212,7 @@ class RegionPort:
     def __init__(self, gpu: int) -> None:
         self.gpu = gpu
         self._entries: dict[str, tuple[Region, int]] = {}
+        self._doorbells: dict[str, int] = {}  # addresses, fixed while a region is mapped
         self._rung: dict[str, int] = {}  # doorbell values at the last observation
         self._kick = ctypes.c_uint32(0)
         self._lock = threading.Lock()
@@ -221,8 +223,10 @@ class RegionPort:
 
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
         """The containers on this GPU: name -> (its region, its container GPU)."""
+        doorbells = {name: region.doorbell_address(k) for name, (region, k) in entries.items()}
         with self._lock:
             self._entries = dict(entries)
+            self._doorbells = doorbells
         self.kick()
 
     def entries(self) -> dict[str, tuple[Region, int]]:
@@ -234,12 +238,16 @@ class RegionPort:
         rung: dict[str, int] = {}
         for name, (region, k) in self.entries().items():
             rung[name] = region.doorbell(k)
+            slots = region.live_slots()
+            if not slots:  # most containers, most of the time
+                found[name] = NOTHING
+                continue
             close_seq = region.close_seq(k)
             waiting = False
             launches = 0
             answered = True
             drained = 0
-            for slot in region.live_slots():
+            for slot in slots:
                 line = region.slot_gpu(slot, k)
                 launches += line.launches
                 if line.pending:
@@ -276,12 +284,14 @@ class RegionPort:
         now = time.monotonic_ns()
         words = [(ctypes.addressof(self._kick), self._kick.value, False)]
         names: list[str | None] = [None]
-        for name, (region, k) in self.entries().items():
+        with self._lock:
+            doorbells = self._doorbells
+        for name, address in doorbells.items():
             seen = self._rung.get(name)
             if seen is None or name in quiet or (
                     name != holder and self._muted_until.get(name, 0) > now):
                 continue
-            words.append((region.doorbell_address(k), seen, True))
+            words.append((address, seen, True))
             names.append(name)
         woken = futex.wait_any(words, deadline_ns)
         ringer = names[woken] if 0 <= woken < len(names) else None

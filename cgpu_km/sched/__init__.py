@@ -13,9 +13,10 @@ from cgpu_km.sched.allotments import (
     allotments,
     waterfill,
 )
-from cgpu_km.sched.slices import QUANTUM, Observation, SliceDecision, SliceScheduler
+from cgpu_km.sched.slices import NOTHING, QUANTUM, Observation, SliceDecision, SliceScheduler
 
 __all__ = [
+    "NOTHING",
     "QUANTUM",
     "Allotment",
     "ContainerSpec",
