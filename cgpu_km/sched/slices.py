@@ -418,7 +418,7 @@ class SliceScheduler:
         container whose processes come back to the gate late after its turn,
         on a loaded host, is not waking), and of the holder's priority or
         higher; none while MAX_OVERLAP handover drains run."""
-        if sum(late.deadline is not None for late in self._late.values()) >= MAX_OVERLAP:
+        if self._overlaps_full():
             return set()
         prio = self._allot[holder].preempts
         return {n for n in waiting
@@ -590,6 +590,10 @@ class SliceScheduler:
             acc.last_active = now
         self._state = IDLE
 
+    def _overlaps_full(self) -> bool:
+        """MAX_OVERLAP handover drains run: nobody more may wake into the GPU."""
+        return sum(late.deadline is not None for late in self._late.values()) >= MAX_OVERLAP
+
     def _drain_limit(self, name: str) -> float:
         """How long `name`'s drain may take: `drain_timeout`, halved at each cut
         (down to a long slice) and doubled back at each answer in time, so that
@@ -671,9 +675,7 @@ class SliceScheduler:
         higher), and when the next of the others has rested long enough. Never
         the holder: a draining holder whose gate let launches through would not
         drain."""
-        if (self._config.policy is Policy.NATIVE or self._now is None
-                or sum(late.deadline is not None for late in self._late.values())
-                >= MAX_OVERLAP):
+        if self._config.policy is Policy.NATIVE or self._now is None or self._overlaps_full():
             return frozenset(), NEVER
         holder = self.holder
         prio = holder is not None and self._allot[holder].preempts
