@@ -217,9 +217,6 @@ MAX_OVERLAP = 2
 # A holder alone with the whole GPU is looked at this often (a container that
 # starts waiting rings, and is looked at at once).
 LONE_SLICE = 0.25
-# How long a busy holder may go unlooked-at while others wait: a holder that stops
-# launching leaves the GPU idle for at most about twice this before it is seen.
-IDLE_CHECK_MAX = 0.005
 
 
 class SliceScheduler:
@@ -489,17 +486,8 @@ class SliceScheduler:
         self._state = turn
         wake_at = turn.slice_end
         if others or self._late:
-            wake_at = min(wake_at, self._idle_check(turn))
+            wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
         return self._decision(frozenset({holder}), wake_at)
-
-    def _idle_check(self, turn: Holding) -> float:
-        """When to look again whether the holder has stopped: `idle_grace` after its
-        last launch, and the longer it has been busy in this slice the later (half
-        that time, at most IDLE_CHECK_MAX): a holder busy to the slice's end wakes
-        the dispatcher a few times per slice, not every `idle_grace`."""
-        last = self._accounts[turn.holder].last_active
-        busy = last - turn.slice_start
-        return last + max(self.idle_grace, min(busy / 2, IDLE_CHECK_MAX))
 
     def _draining(self, turn: Draining, now: float, observed: Mapping[str, Observation],
                   waiting: set[str]) -> SliceDecision:

@@ -10,16 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cgpu_km.sched import ContainerSpec, GpuConfig, Observation, Policy, SliceScheduler
-from cgpu_km.sched.slices import (
-    IDLE_CHECK_MAX,
-    LONE_SLICE,
-    Draining,
-    Holding,
-    Idle,
-    Late,
-    Native,
-    State,
-)
+from cgpu_km.sched.slices import LONE_SLICE, Draining, Holding, Idle, Late, Native, State
 
 W = ContainerSpec
 WAITING = Observation(waiting=True)
@@ -90,26 +81,6 @@ def test_an_answer_ends_the_drain_and_grants_in_the_same_step() -> None:
     assert state(s) == Holding("a", slice_start=0.025, slice_end=0.045, paid_to=0.025)
     assert s.late == frozenset()
     assert s.used()["b"] == pytest.approx(0.025), "charged until its answer was seen"
-
-
-def test_a_busy_holder_is_looked_at_less_often_and_still_seen_to_stop() -> None:
-    s = SliceScheduler(GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(1)}),
-                       quantum=0.1, idle_grace=0.002)
-    now = 0.0
-    decision = s.step(now, {"a": WAITING, "b": WAITING})
-    gaps = []
-    for launches in range(1, 7):  # b launches at every look; a waits
-        gaps.append(decision.wake_at - now)
-        now = decision.wake_at
-        decision = s.step(now, {"a": WAITING, "b": busy(launches)})
-        assert decision.holder == "b"
-        assert not s.draining
-    assert gaps == pytest.approx([0.002, 0.002, 0.002, 0.003, 0.0045, IDLE_CHECK_MAX])
-    assert decision.wake_at - now == pytest.approx(IDLE_CHECK_MAX), "and no longer"
-    # b stops launching: the next look finds it idle and closes its gate.
-    s.step(decision.wake_at, {"a": WAITING, "b": Observation(launches=6)})
-    assert s.draining
-    assert s.holder == "b"
 
 
 def test_a_drain_past_its_limit_is_cut_and_late() -> None:
