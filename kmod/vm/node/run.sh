@@ -5,7 +5,7 @@
 # checks.py installs the project with `cgpu-node install` and drives the
 # node through /proc/cgpu_km, simgpu as its GPU.
 # Usage: run.sh KERNEL_VERSION MODULE.ko   (make -C kmod node-test)
-# Env: NODE_VM_TIMEOUT (seconds, default 300), NODE_VM_SMP (default 2),
+# Env: NODE_VM_TIMEOUT (seconds, default 480), NODE_VM_SMP (default 2),
 #      NODE_VM_MEM (MiB, default 2048), NODE_VM_LOG (console log, default
 #      kmod/build/node/console.log).
 # On the host it writes only under kmod/build/node/ (the share is read-only;
@@ -18,7 +18,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
 build="$repo/kmod/build/node"
 log=${NODE_VM_LOG:-$build/console.log}
-timeout_s=${NODE_VM_TIMEOUT:-300}
+timeout_s=${NODE_VM_TIMEOUT:-480}
 python="$repo/.venv/bin/python"
 kernel=/boot/vmlinuz-$kver
 # Loaded by the initramfs in this order (dependencies first).
