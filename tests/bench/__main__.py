@@ -283,8 +283,7 @@ def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
                 cpu_of_daemon(period, "one busy per GPU")
         for gpu in range(gpus):  # a second busy container in place of an idle one
             host.stop(name(gpu, 1))
-            while (root / str(gpu) / name(gpu, 1)).exists():
-                time.sleep(0.05)
+            host.wait_unregistered(name(gpu, 1), gpu)
         pairs = [Workload(name(gpu, k), 5000, gpu=gpu, weight=1)
                  for gpu in range(gpus) for k in (0, 1)]
         with started(host, pairs, 8 + seconds + 2, delay=0.1):

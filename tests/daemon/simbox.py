@@ -170,6 +170,13 @@ class SimHost:
                 raise RuntimeError(f"{name} was not registered on GPU {gpu} in {timeout} s")
             time.sleep(0.02)
 
+    def wait_unregistered(self, name: str, gpu: int = 0, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while (self.root / str(gpu) / name).exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} was still registered on GPU {gpu} after {timeout} s")
+            time.sleep(0.02)
+
     def log(self, name: str) -> str:
         path = self.tmp / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
