@@ -5,9 +5,13 @@ it observes the containers (who waits at the gate, who launched, who
 answered the last close), steps the scheduler, opens and closes gates, and
 stamps the heartbeat; then it sleeps until the scheduler's deadline or
 until a container rings its doorbell (a process starts waiting at the
-gate, or a watcher answers a close). Each dispatcher is a plain thread of
-its own, so nothing else the daemon does (tree reads, NVML, an OOM script,
-publishing) can delay a slice, a drain or the heartbeat.
+gate, or a watcher answers a close). While others wait, the scheduler asks
+every couple of milliseconds whether the holder went idle (`IdleWatch`):
+the port answers that itself, from the holder's launch counters, and the
+dispatcher steps only when it did, or at the scheduler's next deadline.
+Each dispatcher is a plain thread of its own, so nothing else the daemon
+does (tree reads, NVML, an OOM script, publishing) can delay a slice, a
+drain or the heartbeat.
 
 `RegionPort` is the port over the containers' regions; tests give a fake.
 The dispatcher's figures (GPU seconds charged to each container, shares,
@@ -32,6 +36,7 @@ from cgpu_km.sched import (
     NOTHING,
     QUANTUM,
     GpuConfig,
+    IdleWatch,
     Observation,
     Policy,
     SliceDecision,
@@ -65,9 +70,13 @@ class GpuPort(Protocol):
     def heartbeat(self, now_ns: int) -> None:
         """Tell every container that the daemon is alive."""
 
-    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> str | None:
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
+             watch: IdleWatch | None = None) -> str | None:
         """Sleep until the deadline or until something rings (`quiet`: those
-        whose ring would tell nothing new); the container whose ring woke it."""
+        whose ring would tell nothing new); the container whose ring woke it.
+        With `watch`, also until its holder has neither launched nor waited for
+        its grace (from the last observation on); the next `observe` says when
+        it was last seen active."""
 
     def kick(self) -> None:
         """Wake `wait` now (new configuration, new containers, stop)."""
@@ -179,7 +188,9 @@ class Dispatcher:
                 if now >= next_beat:
                     self.port.heartbeat(now)
                     next_beat = now + HEARTBEAT_NS
-                deadline = min(decision.wake_at * 1e9, next_beat, now + IDLE_WAKE_NS)
+                watch = decision.idle_watch
+                wake_at = watch.otherwise if watch is not None else decision.wake_at
+                deadline = min(wake_at * 1e9, next_beat, now + IDLE_WAKE_NS)
                 with self._lock:
                     late, draining = self._scheduler.late, self._scheduler.draining
                 # Rings that are answers: those of the holder while it drains (until
@@ -195,7 +206,7 @@ class Dispatcher:
                     deadline = min(deadline, now + DRAIN_POLL_NS)
                 quiet = {n for n, seen in self._observed.items()
                          if (seen.waiting or n == decision.holder) and n not in answering}
-                ringer = self.port.wait(int(deadline), quiet, decision.holder)
+                ringer = self.port.wait(int(deadline), quiet, decision.holder, watch)
                 if draining and ringer is not None and ringer == decision.holder:
                     drain_wakes += 1
         except BaseException as error:  # logged; the daemon's watchdog notices the silence
@@ -220,6 +231,8 @@ class RegionPort:
             frozenset(), frozenset(), -1, frozenset())
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
+        self._launches: dict[str, int] = {}  # at the last observation
+        self._active_at: dict[str, float] = {}  # when the last wait's watch saw it active
 
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
         """The containers on this GPU: name -> (its region, its container GPU)."""
@@ -236,6 +249,8 @@ class RegionPort:
     def observe(self) -> dict[str, Observation]:
         found: dict[str, Observation] = {}
         rung: dict[str, int] = {}
+        launched: dict[str, int] = {}
+        active_at, self._active_at = self._active_at, {}
         for name, (region, k) in self.entries().items():
             rung[name] = region.doorbell(k)
             slots = region.live_slots()
@@ -257,8 +272,10 @@ class RegionPort:
                         answered = False
                     drained = max(drained, line.drained_ns)
             found[name] = Observation(waiting=waiting, launches=launches, answered=answered,
-                                      drained_at=drained / 1e9)
+                                      drained_at=drained / 1e9, active_at=active_at.get(name))
+            launched[name] = launches
         self._rung = rung
+        self._launches = launched
         return found
 
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
@@ -276,11 +293,15 @@ class RegionPort:
         for region, _k in self.entries().values():
             region.heartbeat(now_ns)
 
-    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None) -> str | None:
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
+             watch: IdleWatch | None = None) -> str | None:
         """Until the deadline, a kick, or a ring of a container that is not quiet
         and, unless it holds the GPU, has not rung more than RING_LIMIT times in
         the last second (those are looked at when the dispatcher wakes for
-        another reason); the container whose ring woke it."""
+        another reason); the container whose ring woke it. With `watch`, also
+        until its holder has been idle for its grace: looked at when the grace
+        since its last activity has passed, and again a grace later while it
+        still launches or waits."""
         now = time.monotonic_ns()
         words = [(ctypes.addressof(self._kick), self._kick.value, False)]
         names: list[str | None] = [None]
@@ -293,7 +314,7 @@ class RegionPort:
                 continue
             words.append((address, seen, True))
             names.append(name)
-        woken = futex.wait_any(words, deadline_ns)
+        woken = self._wait_watching(words, deadline_ns, watch)
         ringer = names[woken] if 0 <= woken < len(names) else None
         if ringer is not None and ringer != holder:
             rings = self._rings.setdefault(ringer, collections.deque())
@@ -303,6 +324,42 @@ class RegionPort:
             if len(rings) > RING_LIMIT:
                 self._muted_until[ringer] = now + MUTE_NS
         return ringer
+
+    def _wait_watching(self, words: list[tuple[int, int, bool]], deadline_ns: int,
+                       watch: IdleWatch | None) -> int:
+        """`futex.wait_any`, and with `watch` a look at the holder at each grace."""
+        with self._lock:
+            entry = self._entries.get(watch.holder) if watch is not None else None
+        if watch is None or entry is None:
+            return futex.wait_any(words, deadline_ns)
+        region, k = entry
+        grace_ns = int(watch.grace * 1e9)
+        launches = self._launches.get(watch.holder)
+        look_at = int(watch.at * 1e9)
+        while True:
+            until = min(look_at, deadline_ns)
+            woken = futex.wait_any(words, until)
+            now = time.monotonic_ns()
+            if woken >= 0 or now < until or until == deadline_ns:
+                return woken  # a ring, a word that had changed, or the deadline
+            busy, launches_now = self._busy(region, k, launches)
+            if not busy:
+                return -1  # idle for its grace: the scheduler hands the GPU on
+            launches = launches_now
+            self._active_at[watch.holder] = now / 1e9
+            look_at = now + grace_ns
+
+    @staticmethod
+    def _busy(region: Region, k: int, launches: int | None) -> tuple[bool, int]:
+        """Whether a process of the container waits, or the container launched
+        since `launches` was counted; its launches now."""
+        total = 0
+        waiting = False
+        for slot in region.live_slots():
+            line = region.slot_gpu(slot, k)
+            total += line.launches
+            waiting = waiting or bool(line.pending)
+        return waiting or total != launches, total
 
     def kick(self) -> None:
         self._kick.value = (self._kick.value + 1) & 0xFFFFFFFF

@@ -13,7 +13,14 @@ from cgpu_km.sched.allotments import (
     allotments,
     waterfill,
 )
-from cgpu_km.sched.slices import NOTHING, QUANTUM, Observation, SliceDecision, SliceScheduler
+from cgpu_km.sched.slices import (
+    NOTHING,
+    QUANTUM,
+    IdleWatch,
+    Observation,
+    SliceDecision,
+    SliceScheduler,
+)
 
 __all__ = [
     "NOTHING",
@@ -21,6 +28,7 @@ __all__ = [
     "Allotment",
     "ContainerSpec",
     "GpuConfig",
+    "IdleWatch",
     "Observation",
     "Policy",
     "SliceDecision",

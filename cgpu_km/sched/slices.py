@@ -97,6 +97,7 @@ __all__ = [
     "Draining",
     "Holding",
     "Idle",
+    "IdleWatch",
     "Late",
     "Native",
     "Observation",
@@ -116,6 +117,23 @@ class Observation:
     # The latest of those answers' own drain times: for the log only, never charged
     # on (a process may date its answer as it likes).
     drained_at: float = 0.0
+    # When the caller last saw it launch or wait, if it watched (`IdleWatch`);
+    # None: at the instant of the observation, if it launched since the last step.
+    active_at: float | None = None
+
+
+@dataclass(frozen=True)
+class IdleWatch:
+    """The decision's `wake_at` (`at`) is only to see whether `holder` has gone
+    idle (neither launched nor waited for `grace`). A caller that watches the
+    holder itself may step at `otherwise` instead, or as soon as the holder
+    has been idle for `grace`, and then say when it saw it active last
+    (`Observation.active_at`): the same decisions with fewer steps."""
+
+    holder: str
+    at: float
+    grace: float
+    otherwise: float
 
 
 @dataclass(frozen=True)
@@ -129,6 +147,7 @@ class SliceDecision:
     # Gates that let a launch through until the next step: a launch there is a
     # wait (`SliceScheduler` docstring: armed gates).
     armed: frozenset[str] = frozenset()
+    idle_watch: IdleWatch | None = None
 
     def is_open(self, name: str) -> bool:
         return name in self.open
@@ -339,9 +358,11 @@ class SliceScheduler:
                 if acc.last_waiting < self._now_before or acc.last_waiting == -NEVER:
                     acc.rested = now - acc.last_active  # a wait begins
                 acc.last_waiting = now
-            if seen.waiting or (acc.last_launches is not None
-                                and seen.launches != acc.last_launches):
+            if seen.waiting:
                 acc.last_active = now
+            elif acc.last_launches is not None and seen.launches != acc.last_launches:
+                seen_at = now if seen.active_at is None else min(seen.active_at, now)
+                acc.last_active = max(acc.last_active, seen_at)
             acc.last_launches = seen.launches
         self._now_before = now
         self._accrue(dt)
@@ -484,10 +505,10 @@ class SliceScheduler:
             turn = replace(turn, slice_start=now,
                            slice_end=now + (self._slice_length(holder) if company else alone))
         self._state = turn
-        wake_at = turn.slice_end
+        idle_at = NEVER
         if others or self._late:
-            wake_at = min(wake_at, self._accounts[holder].last_active + self.idle_grace)
-        return self._decision(frozenset({holder}), wake_at)
+            idle_at = self._accounts[holder].last_active + self.idle_grace
+        return self._decision(frozenset({holder}), turn.slice_end, idle_at)
 
     def _draining(self, turn: Draining, now: float, observed: Mapping[str, Observation],
                   waiting: set[str]) -> SliceDecision:
@@ -632,10 +653,10 @@ class SliceScheduler:
                                   slice_end=now + self._slice_length(chosen), paid_to=now,
                                   sharing=sharing)
             self._accounts[chosen].last_active = now
-            wake_at = self._state.slice_end
+            idle_at = NEVER
             if len(waiting) > 1 or self._late:  # when it may give the GPU up idle
-                wake_at = min(wake_at, now + self.idle_grace)
-            return self._decision(frozenset({chosen}), wake_at)
+                idle_at = now + self.idle_grace
+            return self._decision(frozenset({chosen}), self._state.slice_end, idle_at)
         # Nobody may run now: wake when the first waiting one's credits allow.
         wake_at = NEVER
         for name in waiting:
@@ -649,13 +670,21 @@ class SliceScheduler:
             wake_at = min(wake_at, now + need)
         return self._decision(frozenset(), wake_at)
 
-    def _decision(self, open_: frozenset[str], wake_at: float) -> SliceDecision:
+    def _decision(self, open_: frozenset[str], wake_at: float,
+                  idle_at: float = NEVER) -> SliceDecision:
+        """The decision to step again at `wake_at` at the latest, and at `idle_at`
+        if only to see whether the holder went idle (`IdleWatch`)."""
         deadlines = (late.deadline for late in self._late.values() if late.deadline is not None)
         wake_at = min((wake_at, *deadlines))  # when a handover's drain is cut
         armed, rested_at = self._arm(open_)
         self._armed = armed
-        return SliceDecision(open=open_, holder=self.holder, wake_at=min(wake_at, rested_at),
-                             shares=dict(self._shares), armed=armed)
+        wake_at = min(wake_at, rested_at)
+        holder = self.holder
+        watch = None
+        if idle_at < wake_at and holder is not None:
+            watch = IdleWatch(holder, at=idle_at, grace=self.idle_grace, otherwise=wake_at)
+        return SliceDecision(open=open_, holder=holder, wake_at=min(wake_at, idle_at),
+                             shares=dict(self._shares), armed=armed, idle_watch=watch)
 
     def _arm(self, open_: frozenset[str]) -> tuple[frozenset[str], float]:
         """The containers that would take the GPU at once if they waited now (as

@@ -6,6 +6,7 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,9 +20,10 @@ from cgpu_km.daemon.core import Daemon
 from cgpu_km.dataplane import futex
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.dataplane.attribution import Nvml
+from cgpu_km.dataplane.dispatch import RegionPort
 from cgpu_km.dataplane.plane import RegionPlane
 from cgpu_km.dataplane.stopping import stop_process
-from cgpu_km.sched import ContainerSpec, GpuConfig, Policy
+from cgpu_km.sched import ContainerSpec, GpuConfig, IdleWatch, Policy
 from cgpu_km.tree import client as treefs
 from cgpu_km.tree.fstree import FsTree
 from cgpu_km.tree.views import Change
@@ -140,6 +142,39 @@ def test_region_plane_dispatches_on_real_regions(tmp_path: Path) -> None:
                              [region_mod.GpuSpec(0, "", 0, 0)]).close()
     assert plane.attach({0: {"a"}})
     assert not plane.attach({0: {"a"}}), "nothing changed the second time"
+
+
+def test_the_port_watches_a_busy_holder_without_returning(tmp_path: Path) -> None:
+    """An idle check of the holder is the port's own: while a process of the
+    holder waits for its work, the wait goes on; once it has been idle for
+    its grace the wait ends, and the next observation says when it was last
+    seen busy."""
+    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
+                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
+    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+        port = RegionPort(0)
+        port.set_entries({"a": (a, 0)})
+        slot = a._account.proc[0]  # a process of a waits for its own work, as libcgpu says
+        slot.state, slot.pid, a._account.slots_used = region_mod.SLOT_LIVE, 1, 1
+        slot.gpu[0].pending, slot.gpu[0].launches = 1, 7
+        assert port.observe()["a"].active_at is None, "not watched yet"
+        now = time.monotonic()
+        watch = IdleWatch("a", at=now + 0.002, grace=0.002, otherwise=now + 60)
+        woken: list[str | None] = []
+        waiter = threading.Thread(target=lambda: woken.append(
+            port.wait(int((now + 60) * 1e9), {"a"}, "a", watch)))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive(), "the holder waits for its work: it is busy, no step"
+        cleared = time.monotonic()
+        slot.gpu[0].pending = 0
+        waiter.join(30)  # a hang guard only
+        assert not waiter.is_alive(), "idle for its grace: the wait ends"
+        assert woken == [None], "by no ring"
+        active_at = port.observe()["a"].active_at
+        assert active_at is not None
+        assert now < active_at < cleared
+        assert port.observe()["a"].active_at is None, "said once, for the step after the wait"
 
 
 @pytest.mark.parametrize("control_tree", [2], indirect=True)

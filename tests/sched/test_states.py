@@ -243,3 +243,47 @@ def test_a_high_priority_holder_arms_only_high_priority_gates() -> None:
     decision = s.step(0.0, {"hp": busy(1)})
     assert decision.holder == "hp"
     assert decision.armed == {"hp2"}
+
+
+def test_a_holder_with_company_is_watched_for_idleness() -> None:
+    """While another waits, the step a grace after the holder's last activity is
+    only an idle check: the decision says so, and when to step otherwise."""
+    s = scheduler("x", "y", idle_grace=0.002)
+    granted = s.step(0.0, {"x": WAITING, "y": WAITING})
+    assert granted.holder == "y"
+    watch = granted.idle_watch
+    assert watch is not None
+    assert watch.holder == "y"
+    assert (watch.at, watch.grace, watch.otherwise) == pytest.approx((0.002, 0.002, 0.02))
+    assert granted.wake_at == pytest.approx(0.002)
+    alone = scheduler("a").step(0.0, {"a": WAITING})
+    assert alone.idle_watch is None, "nobody else wants the GPU: idleness changes nothing"
+
+
+def test_a_watched_holder_is_idle_from_when_it_was_last_seen_active() -> None:
+    """`active_at`: the caller watched a launch at 0.004 and stepped at 0.0065,
+    2.5 ms later: the holder (y, first by name) has been idle for its grace
+    and gives up the GPU."""
+    s = scheduler("x", "y", idle_grace=0.002)
+    s.step(0.0, {"x": WAITING, "y": WAITING})
+    seen = Observation(launches=5, active_at=0.004)
+    s.step(0.0065, {"x": WAITING, "y": seen})
+    assert state(s) == Draining("y", closed_at=0.0065, paid_to=0.0)
+    # Without active_at the launches count as of the step: a is still busy.
+    t = scheduler("x", "y", idle_grace=0.002)
+    t.step(0.0, {"x": WAITING, "y": WAITING})
+    kept = t.step(0.0065, {"x": WAITING, "y": Observation(launches=5)})
+    assert kept.holder == "y"
+    assert isinstance(state(t), Holding)
+    assert kept.idle_watch is not None
+    assert kept.idle_watch.at == pytest.approx(0.0085)
+
+
+def test_active_at_cannot_move_a_container_forward_in_time() -> None:
+    """A watch's time later than the step is the step's (a claim from the future
+    buys nothing)."""
+    s = scheduler("x", "y", idle_grace=0.002)
+    s.step(0.0, {"x": WAITING, "y": WAITING})
+    later = s.step(0.001, {"x": WAITING, "y": Observation(launches=1, active_at=5.0)})
+    assert later.idle_watch is not None
+    assert later.idle_watch.at == pytest.approx(0.003)
