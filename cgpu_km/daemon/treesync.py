@@ -157,10 +157,12 @@ class TreeSync:
         await worker(partial(self.plane.attach, self.view.listed()))
 
     async def _serve_missing(self) -> None:
-        """Every period: attach the regions of listed containers that had none."""
+        """Every period: attach the regions of listed containers that had none
+        (the check is a look at the registry, in this thread: no worker's round
+        trip ten times a second for nothing)."""
         async for _ in Ticks(self.settings.period):
             try:
-                missing = await self.attach_worker(self.plane.missing)
+                missing = self.plane.missing()
                 if self.view.nodes and missing:
                     await self._attach(self.attach_worker)
             except OSError as error:

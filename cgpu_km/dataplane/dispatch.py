@@ -46,6 +46,9 @@ from cgpu_km.sched import (
 log = logging.getLogger("cgpu-daemon")
 
 HEARTBEAT_NS = 500_000_000  # gates fail open when the heartbeat is 2 s old
+# A step this close to the next heartbeat stamps it early: a lone holder's
+# renewals (every LONE_SLICE) carry the heartbeat, with no wake of its own.
+BEAT_EARLY_NS = 250_000_000
 RING_LIMIT = 200  # rings a second a container may wake the dispatcher with ...
 MUTE_NS = 50_000_000  # ... before its rings are not waited on for this long
 IDLE_WAKE_NS = 1_000_000_000  # look again at least this often
@@ -185,7 +188,7 @@ class Dispatcher:
             while not self._stop.is_set():
                 decision = self.step()
                 now = self.clock()
-                if now >= next_beat:
+                if now >= next_beat - BEAT_EARLY_NS:
                     self.port.heartbeat(now)
                     next_beat = now + HEARTBEAT_NS
                 watch = decision.idle_watch
