@@ -102,6 +102,7 @@ class Attribution:
         self.host = kernelview.Host.read(proc)
         self._info: dict[int, kernelview.ProcessInfo | None] = {}
         self._host_pids: dict[tuple[int, int, int], int] = {}
+        self._running: dict[int, kernelview.ProcessInfo] = {}  # read by the last `running`
 
     def info(self, pid: int) -> kernelview.ProcessInfo | None:
         cached = self._info.get(pid)
@@ -112,21 +113,19 @@ class Attribution:
                 self._info.clear()
         return fresh
 
-    def owner_of(self, pid: int, owners: kernelview.OwnerIndex) -> str | None:
-        info = self.info(pid)
-        return owners.find(info) if info is not None else None
-
     def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
         """Which of these (pid namespace, pid in it, start time) run now. Each is
         found once by a scan of /proc; then its host pid is only checked."""
         found = set()
         unknown = set()
+        self._running = {}
         for key in slots:
             host_pid = self._host_pids.get(key)
             info = kernelview.process_info(host_pid, self.proc) if host_pid else None
             if info is not None and (info.pidns, info.inner_pid, info.start_time) == key \
                     and info.state not in ("Z", "X"):
                 found.add(key)
+                self._running[info.pid] = info
             else:
                 self._host_pids.pop(key, None)
                 unknown.add(key)
@@ -142,6 +141,12 @@ class Attribution:
     def host_pid(self, key: tuple[int, int, int]) -> int:
         """The host pid `running` found for a slot's process (0: none)."""
         return self._host_pids.get(key, 0)
+
+    def running_info(self, pid: int) -> kernelview.ProcessInfo | None:
+        """What the last `running` read of host pid `pid`, else a fresh `info`
+        (a round of `running` and its ownership checks reads /proc once)."""
+        found = self._running.get(pid)
+        return found if found is not None else self.info(pid)
 
     def index(self, pidns: Set[int]) -> dict[tuple[int, int, int], int]:
         """Every running process of these pid namespaces, as (pid namespace, pid
@@ -162,10 +167,10 @@ class Attribution:
 def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> MemoryView:
     """Every container's GPU memory by the kernel's attribution of NVML's processes."""
     keys = registry.keys()
-    views = {key: entry.region.processes() for key, (entry, _k) in keys.items()}
-    gate_wait = {key: sum(p.gate_wait_ns[k] for p in views[key]) / 1e9
-                 for key, (_entry, k) in keys.items()}
-    refusals = {key: sum(p.oom_refusals[k] for p in views[key]) for key, (_e, k) in keys.items()}
+    counters = {key: entry.region.waits_and_refusals(k) for key, (entry, k) in keys.items()}
+    slots = {key: entry.region.identities() for key, (entry, _k) in keys.items()}
+    gate_wait = {key: waited / 1e9 for key, (waited, _refused) in counters.items()}
+    refusals = {key: refused for key, (_waited, refused) in counters.items()}
     if nvml is None:
         return MemoryView(by_container={}, gate_wait=gate_wait, oom_refusals=refusals)
     by_pid, used = nvml.memory_by_pid()
@@ -178,22 +183,22 @@ def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> 
     stray: dict[int, dict[int, int]] = {}
     seen: dict[str, list[region_mod.Seen]] = {entry.name: [] for entry, _k in keys.values()}
     for (gpu, pid), size in sorted(by_pid.items()):
-        name = attribution.owner_of(pid, owners)
-        key = (gpu, name or "")
         info = attribution.info(pid)
+        name = owners.find(info) if info is not None else None
+        key = (gpu, name or "")
         if name is None or key not in procs or info is None:
             stray.setdefault(gpu, {})[pid] = size
             continue
         procs[key][pid] = size
         identity[pid] = (info.pidns, info.inner_pid, info.start_time)
         seen[name].append(region_mod.Seen(keys[key][1], *identity[pid], size))
-        if identity[pid] not in {(p.pidns, p.pid, p.start_time) for p in views[key]}:
+        if identity[pid] not in slots[key]:
             unmanaged[key].add(pid)
     # libcgpu claims a process's slot before it makes a context, so a slot
     # claimed after the first look but before NVML's is in a second look.
     for key in [key for key, pids in unmanaged.items() if pids]:
-        slots = {(p.pidns, p.pid, p.start_time) for p in keys[key][0].region.processes()}
-        unmanaged[key] = {pid for pid in unmanaged[key] if identity[pid] not in slots}
+        again = keys[key][0].region.identities()
+        unmanaged[key] = {pid for pid in unmanaged[key] if identity[pid] not in again}
     return MemoryView(
         by_container={key: ContainerMemory(procs[key], frozenset(unmanaged[key]))
                       for key in keys},

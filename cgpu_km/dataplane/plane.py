@@ -160,7 +160,7 @@ class RegionPlane:
                     return False
                 if owner is None:
                     return True
-                info = self.attribution.info(self.attribution.host_pid(key))
+                info = self.attribution.running_info(self.attribution.host_pid(key))
                 return info is not None and kernelview.belongs(info, owner, host,
                                                                self.attribution.proc)
 

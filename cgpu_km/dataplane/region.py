@@ -382,6 +382,7 @@ class Region:
         self._account_map = account
         self._control = ControlLayout.from_buffer(control)
         self._account = AccountLayout.from_buffer(account)
+        self._published: tuple[Seen, ...] | None = None  # the last publish_seen's list
 
     # -- lifecycle --
 
@@ -583,17 +584,19 @@ class Region:
         SEEN_MAX_AGE_NS). Under the seqlock `seen_seq`; one writer (the
         daemon's memory service)."""
         control = self._control
-        valid = [item for item in seen if 0 <= item.gpu < MAX_GPUS]
-        rest = [0] * MAX_GPUS
-        for item in valid[MAX_SEEN:]:
-            rest[item.gpu] += item.bytes
+        valid = tuple(item for item in seen if 0 <= item.gpu < MAX_GPUS)
         control.seen_seq += 1  # odd: readers retry
-        for entry, item in zip(control.seen, valid[:MAX_SEEN], strict=False):
-            entry.pidns, entry.pid, entry.gpu = item.pidns, item.pid, item.gpu
-            entry.start_time, entry.bytes = item.start_time, item.bytes
-        control.nseen = min(len(valid), MAX_SEEN)
-        for k in range(MAX_GPUS):
-            control.seen_rest[k] = rest[k]
+        if valid != self._published:  # else only the time is new (most rounds)
+            rest = [0] * MAX_GPUS
+            for item in valid[MAX_SEEN:]:
+                rest[item.gpu] += item.bytes
+            for entry, item in zip(control.seen, valid[:MAX_SEEN], strict=False):
+                entry.pidns, entry.pid, entry.gpu = item.pidns, item.pid, item.gpu
+                entry.start_time, entry.bytes = item.start_time, item.bytes
+            control.nseen = min(len(valid), MAX_SEEN)
+            for k in range(MAX_GPUS):
+                control.seen_rest[k] = rest[k]
+            self._published = valid
         control.seen_ns = time.monotonic_ns() if now_ns is None else now_ns
         control.seen_seq += 1
         control.seen_rounds += 1
@@ -653,6 +656,27 @@ class Region:
         """Bytes the container holds on GPU k: the sum of all slots (as reported)."""
         self._gpu(k)
         return sum(int(self._account.proc[i].gpu[k].mem) for i in range(self._slots_used()))
+
+    def identities(self) -> set[tuple[int, int, int]]:
+        """(pid namespace, pid, start time) of every live slot's process."""
+        found = set()
+        for i in range(self._slots_used()):
+            slot = self._account.proc[i]
+            if slot.state == SLOT_LIVE:
+                found.add((int(slot.pidns), int(slot.pid), int(slot.start_time)))
+        return found
+
+    def waits_and_refusals(self, k: int) -> tuple[int, int]:
+        """Nanoseconds the live slots' launches waited at GPU k's gate, and their
+        allocations refused for memory (the figures `processes` sums, read alone)."""
+        self._gpu(k)
+        waited = refused = 0
+        for i in range(self._slots_used()):
+            slot = self._account.proc[i]
+            if slot.state == SLOT_LIVE:
+                waited += slot.gpu[k].gate_wait_ns
+                refused += slot.gpu[k].oom_refusals
+        return int(waited), int(refused)
 
     def activity(self, k: int) -> Activity:
         """Launch counters of GPU k summed over live slots (compare between ticks)."""

@@ -233,8 +233,13 @@ def test_views_and_reclaim(tmp_path: Path) -> None:
             assert r.usage(0) == 123
             assert r.activity(0).launches == 9
             assert sorted(p.pid for p in r.processes()) == sorted([os.getpid(), *[sleeper.pid] * 2])
+            assert r.identities() == {(p.pidns, p.pid, p.start_time) for p in r.processes()}
+            r._account.proc[1].gpu[0].gate_wait_ns, r._account.proc[1].gpu[0].oom_refusals = 7, 2
+            r._account.proc[2].gpu[0].gate_wait_ns = 5
+            assert r.waits_and_refusals(0) == (12, 2), "as the views sum them"
             assert r.reclaim(local_alive) == [sleeper.pid]  # the slot with the wrong start time
             assert r.usage(0) == 120
+            assert r.waits_and_refusals(0) == (7, 2), "a freed slot counts no more"
             sleeper.kill()
             sleeper.wait()
             assert r.reclaim(local_alive) == [sleeper.pid]
@@ -274,12 +279,16 @@ def test_what_the_daemon_saw_reads_back_whatever_it_publishes(
     tmp_path_factory: pytest.TempPathFactory, rounds: list[list[region_mod.Seen]]
 ) -> None:
     """Each round replaces the last; past MAX_SEEN processes only their bytes are kept (for
-    everyone to count), and a GPU the region cannot hold is dropped."""
+    everyone to count), and a GPU the region cannot hold is dropped. A round that
+    publishes the same again only dates it anew."""
     with make(tmp_path_factory.mktemp("seen")) as region:
         for published in rounds:
-            region.publish_seen(published)
-            valid = [s for s in published if 0 <= s.gpu < region_mod.MAX_GPUS]
-            assert region.seen() == valid[:region_mod.MAX_SEEN]
-            for k in range(region_mod.MAX_GPUS):
-                assert region.seen_total(k) == sum(s.bytes for s in valid if s.gpu == k)
-        assert region.seen_rounds == len(rounds)
+            for again in (False, True):
+                before = region._control.seen_ns
+                region.publish_seen(published, now_ns=before + 1)
+                assert region._control.seen_ns == before + 1, f"dated (again: {again})"
+                valid = [s for s in published if 0 <= s.gpu < region_mod.MAX_GPUS]
+                assert region.seen() == valid[:region_mod.MAX_SEEN]
+                for k in range(region_mod.MAX_GPUS):
+                    assert region.seen_total(k) == sum(s.bytes for s in valid if s.gpu == k)
+        assert region.seen_rounds == 2 * len(rounds)
