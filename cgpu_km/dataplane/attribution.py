@@ -103,6 +103,7 @@ class Attribution:
         self._info: dict[int, kernelview.ProcessInfo | None] = {}
         self._host_pids: dict[tuple[int, int, int], int] = {}
         self._running: dict[int, kernelview.ProcessInfo] = {}  # read by the last `running`
+        self._known: dict[tuple[int, int, int], kernelview.ProcessInfo] = {}
 
     def info(self, pid: int) -> kernelview.ProcessInfo | None:
         cached = self._info.get(pid)
@@ -115,20 +116,32 @@ class Attribution:
 
     def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
         """Which of these (pid namespace, pid in it, start time) run now. Each is
-        found once by a scan of /proc; then its host pid is only checked."""
+        found once by a scan of /proc; then only its host pid's stat is read (a
+        host pid and a start time name one process, whose pid namespace and
+        pid in it never change)."""
         found = set()
         unknown = set()
-        self._running = {}
+        running = {}
         for key in slots:
             host_pid = self._host_pids.get(key)
+            known = self._known.get(key)
+            if host_pid and known is not None:
+                state = kernelview.process_state(host_pid, self.proc)
+                if state is not None and state[1] == known.start_time \
+                        and state[0] not in ("Z", "X"):
+                    found.add(key)
+                    running[host_pid] = known
+                    continue
             info = kernelview.process_info(host_pid, self.proc) if host_pid else None
             if info is not None and (info.pidns, info.inner_pid, info.start_time) == key \
                     and info.state not in ("Z", "X"):
                 found.add(key)
-                self._running[info.pid] = info
+                running[info.pid] = self._known[key] = info
             else:
                 self._host_pids.pop(key, None)
+                self._known.pop(key, None)
                 unknown.add(key)
+        self._running = running
         if unknown:
             index = self.index({pidns for pidns, _pid, _start in unknown})
             for key in unknown & index.keys():
@@ -136,6 +149,8 @@ class Attribution:
                 found.add(key)
         if len(self._host_pids) > 4096:
             self._host_pids.clear()
+            self._known.clear()
+        self._known = {key: info for key, info in self._known.items() if key in found}
         return found
 
     def host_pid(self, key: tuple[int, int, int]) -> int:
@@ -143,8 +158,9 @@ class Attribution:
         return self._host_pids.get(key, 0)
 
     def running_info(self, pid: int) -> kernelview.ProcessInfo | None:
-        """What the last `running` read of host pid `pid`, else a fresh `info`
-        (a round of `running` and its ownership checks reads /proc once)."""
+        """What `running` read of host pid `pid` when it first found it, else a
+        fresh `info` (a round of `running` and its ownership checks reads
+        only the stat of each process it knows)."""
         found = self._running.get(pid)
         return found if found is not None else self.info(pid)
 

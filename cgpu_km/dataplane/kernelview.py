@@ -90,6 +90,15 @@ def parse_status(text: str) -> dict[str, str]:
     return fields
 
 
+def process_state(pid: int, proc: str = PROC) -> tuple[str, int] | None:
+    """(state letter, start time) of a process, from its stat alone; None when gone."""
+    try:
+        with open(f"{proc}/{pid}/stat") as handle:
+            return parse_stat(handle.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def process_info(pid: int, proc: str = PROC) -> ProcessInfo | None:
     """What the kernel says of a process, or None when it is gone."""
     base = f"{proc}/{pid}"

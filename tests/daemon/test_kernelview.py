@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cgpu_km.daemon.backstop import Grandfather, over_limit
 from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane.attribution import Attribution
 from cgpu_km.dataplane.kernelview import Host, Owner, ProcessInfo
 
 HOST = Host(pidns=100, cgroups={"0::": {"/"}, "4:memory": {"/", "/daemon"}})
@@ -64,6 +65,32 @@ def test_process_info_of_this_process() -> None:
     assert me.inner_pid == os.getpid()
     assert me.uid == os.getuid()
     assert kernelview.process_info(2**22 + 12345) is None
+
+
+def test_running_knows_a_process_until_it_exits_and_never_its_pid_reused() -> None:
+    """Found once by a scan of /proc, then followed by its stat alone: running
+    while it runs, gone once it exited, and a slot naming the same process with
+    another start time (a pid reused) is not running."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = kernelview.process_info(sleeper.pid)
+        assert me is not None
+        key = (me.pidns, me.inner_pid, me.start_time)
+        reused = (me.pidns, me.inner_pid, me.start_time + 1)
+        attribution = Attribution()
+        for _ in range(3):  # the scan, the full read, then the stat alone
+            assert attribution.running({key, reused}) == {key}
+            assert attribution.host_pid(key) == sleeper.pid
+        seen = attribution.running_info(sleeper.pid)
+        assert seen is not None
+        assert (seen.pidns, seen.inner_pid, seen.start_time) == key
+        sleeper.kill()
+        sleeper.wait()
+        assert attribution.running({key, reused}) == set()
+        assert attribution.host_pid(key) == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
