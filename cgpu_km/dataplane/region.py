@@ -659,24 +659,16 @@ class Region:
 
     def identities(self) -> set[tuple[int, int, int]]:
         """(pid namespace, pid, start time) of every live slot's process."""
-        found = set()
-        for i in range(self._slots_used()):
-            slot = self._account.proc[i]
-            if slot.state == SLOT_LIVE:
-                found.add((int(slot.pidns), int(slot.pid), int(slot.start_time)))
-        return found
+        slots = [self._account.proc[i] for i in self.live_slots()]
+        return {(int(slot.pidns), int(slot.pid), int(slot.start_time)) for slot in slots}
 
     def waits_and_refusals(self, k: int) -> tuple[int, int]:
         """Nanoseconds the live slots' launches waited at GPU k's gate, and their
         allocations refused for memory (the figures `processes` sums, read alone)."""
         self._gpu(k)
-        waited = refused = 0
-        for i in range(self._slots_used()):
-            slot = self._account.proc[i]
-            if slot.state == SLOT_LIVE:
-                waited += slot.gpu[k].gate_wait_ns
-                refused += slot.gpu[k].oom_refusals
-        return int(waited), int(refused)
+        lines = [self.slot_gpu(i, k) for i in self.live_slots()]
+        return (sum(int(line.gate_wait_ns) for line in lines),
+                sum(int(line.oom_refusals) for line in lines))
 
     def activity(self, k: int) -> Activity:
         """Launch counters of GPU k summed over live slots (compare between ticks)."""
