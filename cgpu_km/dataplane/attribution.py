@@ -139,7 +139,6 @@ class Attribution:
                 running[info.pid] = self._known[key] = info
             else:
                 self._host_pids.pop(key, None)
-                self._known.pop(key, None)
                 unknown.add(key)
         self._running = running
         if unknown:
@@ -149,7 +148,6 @@ class Attribution:
                 found.add(key)
         if len(self._host_pids) > 4096:
             self._host_pids.clear()
-            self._known.clear()
         self._known = {key: info for key, info in self._known.items() if key in found}
         return found
 
