@@ -19,8 +19,10 @@ How it differs from the FUSE tree and the module (why it is a fallback):
   each command with a newline); a partial line is taken as a command once
   the FIFO has been quiet for 0.1 s.
 Files are replaced atomically (a write to `.staging/` and a rename), and a
-new container's directory appears with all its nodes at once. On exit the
-files are removed, so `test -e <root>/inst_ctl` means the tree is served.
+new container's directory appears with all its nodes at once. Writes to the
+nodes are found by inotify on their directories, so a write lands however
+soon it follows the last one. On exit the files are removed, so
+`test -e <root>/inst_ctl` means the tree is served.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from types import FrameType
 
 from cgpu_km.tree.model import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
 from cgpu_km.tree.nodes import NODES_BY_LEVEL, Kind, Level
+from cgpu_km.tree.watch import FILE_WRITES, IN_IGNORED, IN_Q_OVERFLOW, Inotify
 
 STAGING = ".staging"
 PARTIAL_COMMAND_WAIT = 0.1  # seconds of quiet after which a line without newline is taken
@@ -47,7 +50,6 @@ _WRITABLE = {
     level: [n.name for n in nodes.values() if n.writable and n.kind is not Kind.COMMAND]
     for level, nodes in NODES_BY_LEVEL.items()
 }
-FileStamp = tuple[int, int, int]  # inode, mtime ns, size
 
 
 class PlainTree:
@@ -59,7 +61,9 @@ class PlainTree:
         self.staging = root / STAGING
         self.fifo = root / "inst_ctl"
         self.rendered: dict[str, bytes] = {}  # relpath -> content we wrote
-        self.stamps: dict[str, FileStamp] = {}  # rw node relpath -> stat after our write
+        self.inotify = Inotify()
+        self.watched: dict[int, str] = {}  # watch descriptor -> directory relpath
+        self.written: set[str] = set()  # writable node relpaths a writer may have changed
         self._serial = 0
 
     # -- files ----------------------------------------------------------------
@@ -82,16 +86,14 @@ class PlainTree:
 
     def _remember(self, relpath: str, content: bytes) -> None:
         self.rendered[relpath] = content
-        if relpath.rsplit("/", 1)[-1] in self._writable_names(relpath):
-            info = os.stat(self.root / relpath)
-            self.stamps[relpath] = (info.st_ino, info.st_mtime_ns, info.st_size)
 
-    @staticmethod
-    def _level(relpath: str) -> Level:
-        return (Level.ROOT, Level.GPU, Level.CONTAINER)[relpath.count("/")]
-
-    def _writable_names(self, relpath: str) -> list[str]:
-        return _WRITABLE[self._level(relpath)]
+    def _watch(self, directory: str) -> None:
+        """Watch a directory's node writes; a write made before the watch is looked for."""
+        wd = self.inotify.add(str(self.root / directory), FILE_WRITES)
+        if wd is not None:
+            self.watched[wd] = directory
+        self.written.update(_node_path(directory, name)
+                            for name in _WRITABLE[_level_of_directory(directory)])
 
     def desired(self) -> dict[str, bytes]:
         """Every readable node's content, by relative path."""
@@ -117,7 +119,9 @@ class PlainTree:
         for directory in sorted(had_dirs - wanted_dirs):
             self._remove_dir(directory)
         for gpu in sorted({p.split("/", 1)[0] for p in wanted if "/" in p}):
-            (self.root / gpu).mkdir(mode=0o555, exist_ok=True)
+            if not (self.root / gpu).is_dir():
+                (self.root / gpu).mkdir(mode=0o555)
+                self._watch(gpu)
         for directory in sorted(wanted_dirs - had_dirs):
             self._add_dir(directory, {p: c for p, c in wanted.items()
                                       if p.startswith(directory + "/")})
@@ -139,6 +143,7 @@ class PlainTree:
         os.rename(temporary, target)
         for relpath, content in files.items():
             self._remember(relpath, content)
+        self._watch(directory)
 
     def _remove_dir(self, directory: str) -> None:
         temporary = self._stage()
@@ -147,7 +152,7 @@ class PlainTree:
             shutil.rmtree(temporary)
         for relpath in [p for p in self.rendered if p.startswith(directory + "/")]:
             self.rendered.pop(relpath)
-            self.stamps.pop(relpath, None)
+            self.written.discard(relpath)
 
     # -- what writers did ------------------------------------------------------
 
@@ -162,30 +167,48 @@ class PlainTree:
             return False
         return True
 
+    def _note_writes(self) -> None:
+        """Turn the queued inotify events into node paths to look at."""
+        for wd, mask, name in self.inotify.events():
+            if mask & IN_Q_OVERFLOW:  # events were dropped: look at every node
+                self.written.update(p for p in self.rendered if _is_writable(p))
+            elif mask & IN_IGNORED:
+                self.watched.pop(wd, None)
+            elif wd in self.watched and _is_writable(_node_path(self.watched[wd], name)):
+                self.written.add(_node_path(self.watched[wd], name))
+
     def scan_writes(self) -> bool:
         """Apply node files that writers changed since we wrote them; True if any was seen."""
+        self._note_writes()
         seen = False
-        for relpath, stamp in list(self.stamps.items()):
+        for relpath in sorted(self.written):
+            self.written.discard(relpath)
+            if relpath not in self.rendered:
+                continue  # its container went meanwhile
             try:
-                info = os.stat(self.root / relpath)
-                if (info.st_ino, info.st_mtime_ns, info.st_size) == stamp:
-                    continue
                 content = (self.root / relpath).read_bytes()
             except FileNotFoundError:
                 content = b""
-            if content == self.rendered.get(relpath):
-                self._remember(relpath, content)
-                continue
-            if not content:
-                continue  # `echo` truncated the file and has not written yet
+            if not content or content == self.rendered[relpath]:
+                continue  # unchanged, or `echo` truncated the file and has not written yet
             seen = True
             try:
                 self.tree.write(relpath, content)
             except TreeError as error:
                 log(f"{relpath} <- {content.strip()[:40]!r}: {_describe(error)}; "
-                    f"kept {self.rendered.get(relpath, b'').strip()!r}")
-            self.rendered.pop(relpath, None)  # rewrite it with the tree's value
+                    f"kept {self.rendered[relpath].strip()!r}")
+            if self._reads(relpath) == content:
+                # Already what the tree reads: rewriting it would race the next writer.
+                self._remember(relpath, content)
+            else:
+                self.rendered.pop(relpath)  # rewrite it with the tree's value
         return seen
+
+    def _reads(self, relpath: str) -> bytes | None:
+        try:
+            return self.tree.read(relpath)
+        except TreeError:
+            return None
 
     # -- serving ----------------------------------------------------------------
 
@@ -200,6 +223,7 @@ class PlainTree:
         self.clear()
         self.root.chmod(0o755)
         self.staging.mkdir(mode=0o700)
+        self._watch("")
         self.render()
         temporary = self._stage()
         os.mkfifo(temporary, 0o200)
@@ -220,7 +244,7 @@ class PlainTree:
             else:
                 path.unlink(missing_ok=True)
         self.rendered.clear()
-        self.stamps.clear()
+        self.written.clear()
 
     def serve(self, fd: int, stop: threading.Event, interval: float = 0.02) -> None:
         """Until `stop`: read commands from the FIFO, pick up node writes, re-render."""
@@ -243,6 +267,19 @@ class PlainTree:
             changed |= self.scan_writes()
             if changed:
                 self.render()
+
+
+def _level_of_directory(directory: str) -> Level:
+    return (Level.ROOT, Level.GPU, Level.CONTAINER)[directory.count("/") + 1 if directory else 0]
+
+
+def _node_path(directory: str, name: str) -> str:
+    return f"{directory}/{name}" if directory else name
+
+
+def _is_writable(relpath: str) -> bool:
+    directory, _, name = relpath.rpartition("/")
+    return name in _WRITABLE[_level_of_directory(directory)]
 
 
 def _describe(error: TreeError) -> str:
@@ -288,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         plain.serve(fd, stop, args.interval)
     finally:
         plain.clear()
+        plain.inotify.close()
         os.close(fd)
     return 0
 

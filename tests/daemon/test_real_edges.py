@@ -3,6 +3,7 @@ driven by a dispatcher thread, stopping a process, NVML's memory."""
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import sys
@@ -90,6 +91,28 @@ def test_watcher_names_what_was_written(control_tree: Path) -> None:
     finally:
         watcher.close()
 
+
+
+def test_watcher_sees_a_write_into_a_replaced_file_before_it_syncs(plain_tree: Path) -> None:
+    """The mount-free tree replaces a node's file by a rename, which ends the
+    file's watch; a write into the new file before the next `sync` still names
+    its container (the directory's watch takes it)."""
+    treefs.inst_ctl(plain_tree, "add 0 a weight=1")
+    wait_for_file(plain_tree / "0" / "a" / "weight")
+    watcher = InotifyWatcher(plain_tree)
+    try:
+        watcher.sync(FsTree(plain_tree).read_quick().gpus)
+        weight = plain_tree / "0" / "a" / "weight"
+        staged = plain_tree / "0" / "a" / ".replacement"
+        staged.write_text("1\n")
+        os.replace(staged, weight)  # as the tree's server renders a value
+        assert select.select([watcher], [], [], 10)[0]
+        assert watcher.changes() == [Change(0, "a")]
+        weight.write_text("3\n")  # no sync yet: no watch on the new file
+        assert select.select([watcher], [], [], 10)[0]
+        assert watcher.changes() == [Change(0, "a")]
+    finally:
+        watcher.close()
 
 def test_region_plane_dispatches_on_real_regions(tmp_path: Path) -> None:
     """A dispatcher thread per GPU: heartbeat, a grant to the one that waits

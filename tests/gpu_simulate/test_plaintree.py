@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from cgpu_km.tree import client as treefs
+from cgpu_km.tree.model import ControlTree
+from cgpu_km.tree.plain import PlainTree
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,3 +125,61 @@ def test_refuses_a_folder_with_other_files(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "not empty" in result.stderr
     assert (tmp_path / "tree" / "precious").read_text() == "keep me"
+
+
+
+@pytest.fixture
+def in_process(tmp_path: Path) -> Iterator[PlainTree]:
+    """The same server driven step by step, so that a test places writes between its steps."""
+    tree = PlainTree(tmp_path / "tree", ControlTree(1))
+    fd = tree.start()
+    try:
+        yield tree
+    finally:
+        tree.clear()
+        tree.inotify.close()
+        os.close(fd)
+
+
+def step(tree: PlainTree) -> None:
+    """One turn of `PlainTree.serve`'s loop, without its FIFO."""
+    if tree.scan_writes():
+        tree.render()
+
+
+def echo_keeping_the_stamp(path: Path, text: str) -> None:
+    """Write as `echo` does, leaving the size and times as they were: what a
+    kernel with a coarse clock shows for a write in the same tick."""
+    before = path.stat()
+    with path.open("w") as out:
+        out.write(text)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_a_write_in_the_same_clock_tick_is_seen(in_process: PlainTree) -> None:
+    policy = in_process.root / "0" / "policy"
+    for value in (2, 3, 2):
+        echo_keeping_the_stamp(policy, f"{value}\n")
+        step(in_process)
+        assert in_process.tree.read("0/policy") == f"{value}\n".encode()
+
+
+def test_a_write_between_two_steps_is_not_written_over(in_process: PlainTree) -> None:
+    policy = in_process.root / "0" / "policy"
+    policy.write_text("2\n")
+    assert in_process.scan_writes()
+    policy.write_text("3\n")  # the next writer, before the tree renders the first write
+    in_process.render()
+    assert policy.read_text() == "3\n"
+    step(in_process)
+    assert in_process.tree.read("0/policy") == b"3\n"
+    assert policy.read_text() == "3\n"
+
+
+def test_a_write_into_a_new_container_before_its_watch_is_seen(in_process: PlainTree) -> None:
+    in_process.command(b"add 0 job weight=2")
+    in_process.render()
+    (in_process.root / "0" / "job" / "weight").write_text("5\n")
+    step(in_process)
+    assert in_process.tree.read("0/free_weight") == b"11\n"
+    assert (in_process.root / "0" / "free_weight").read_text() == "11\n"
