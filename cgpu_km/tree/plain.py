@@ -9,10 +9,10 @@ Every tool that reaches the tree through files (`cgpu-run`, `cgpu-daemon`,
 `cgpu-smi`, `cat`, `echo`) works on it unchanged.
 
 How it differs from the FUSE tree and the module (why it is a fallback):
-- A command or a node write takes effect within one poll interval
-  (`--interval`, 20 ms), not before the writer's `write` returns. A writer
-  that reads back at once may see the old state; `cgpu-run` with
-  `--memsize` does not read back.
+- A command or a node write takes effect when this process wakes for it
+  (inotify and the FIFO wake it; `--interval`, 20 ms, bounds its sleep),
+  not before the writer's `write` returns. A writer that reads back at once
+  may see the old state; `cgpu-run` with `--memsize` does not read back.
 - A refused command or write is not returned to the writer: it is logged on
   stderr and the node's file is put back to the tree's value.
 - `inst_ctl` takes one command per line (writers of `cgpu_km.tree.client` end
@@ -250,11 +250,12 @@ class PlainTree:
         """Until `stop`: read commands from the FIFO, pick up node writes, re-render."""
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        poller.register(self.inotify.fileno(), select.POLLIN)  # node writes wake it too
         pending = b""
         last_data = time.monotonic()
         while not stop.is_set():
             changed = False
-            if poller.poll(int(interval * 1000)):
+            if any(ready == fd for ready, _events in poller.poll(int(interval * 1000))):
                 with contextlib.suppress(BlockingIOError):
                     pending += os.read(fd, 1 << 16)
                 last_data = time.monotonic()
