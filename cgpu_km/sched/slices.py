@@ -27,12 +27,16 @@ nobody else waits and its credit allows.
 Handovers, for latency: a container that starts waiting after a rest (it
 had neither launched, waited nor held the GPU for half a quantum) and is
 eligible takes the GPU from its holder at once, instead of after the
-holder's slice and drain. The holder's gate closes and it is late until it
-answers (not granted before, charged until then, cut at its drain limit as
-any holder); the driver time-slices the two meanwhile, and that shared span
-is paid half by each. A busy container waiting on past its own turn never
-rests, so between busy containers slices and drains are as above; at most
-MAX_OVERLAP handover drains run at once.
+holder's slice and drain; so does one that waits while it is owed
+OWED_QUANTA quanta more share credit than the holder of a slice (its
+processes take turns with their requests, so the container never rests).
+The holder's gate closes and it is late until it answers (not granted
+before, charged until then, cut at its drain limit as any holder); the
+driver time-slices the two meanwhile, and that shared span is paid half by
+each. A busy container waiting on past its own turn never rests, and busy
+containers drift about a quantum of credit apart in a slice, so between
+them slices and drains are as above; at most MAX_OVERLAP handover drains
+run at once.
 
 Armed gates, so that a waking container does not wait for the caller
 either: each decision names the containers that would take the GPU at once
@@ -230,6 +234,10 @@ QUANTUM = 0.02
 MAX_QUANTA = 4.0  # the longest slice, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
 REST_QUANTA = 0.5  # how long a container must rest before it may wake into the GPU
+# ... or how much further behind in share credit than the holder it must be.
+# Between busy containers the gap grows by about a quantum a slice: their turns
+# still end as slices do.
+OWED_QUANTA = 2.0
 # Handovers whose drains may overlap the holder at once (a chain of waking
 # containers: each earlier drainer pays in full once its successor's turn ends).
 MAX_OVERLAP = 2
@@ -429,19 +437,38 @@ class SliceScheduler:
         return (self._rates[name][0] > 0 and acc.credit >= -slack
                 and acc.cap_credit >= -1e-9)
 
-    def _waking(self, holder: str, waiting: Set[str]) -> set[str]:
-        """Those that may take the GPU from `holder` at once: eligible (share
+    def _waking(self, turn: Turn, now: float, waiting: Set[str]) -> set[str]:
+        """Those that may take the GPU from the holder at once: eligible (share
         credit not below a quarter quantum's), waiting after a rest of half a
         quantum (neither launching, waiting nor holding the GPU: a busy
         container whose processes come back to the gate late after its turn,
-        on a loaded host, is not waking), and of the holder's priority or
-        higher; none while MAX_OVERLAP handover drains run."""
+        on a loaded host, is not waking) or owed (`_owed`), and of the
+        holder's priority or higher; none while MAX_OVERLAP handover drains
+        run."""
         if self._overlaps_full():
             return set()
+        holder = turn.holder
         prio = self._allot[holder].preempts
         return {n for n in waiting
-                if n != holder and self._accounts[n].rested >= self.quantum * REST_QUANTA
+                if n != holder and (self._accounts[n].rested >= self.quantum * REST_QUANTA
+                                    or self._owed(n, turn, now))
                 and self._eligible(n) and (self._allot[n].preempts or not prio)}
+
+    def _owed(self, name: str, turn: Turn, now: float) -> bool:
+        """Whether `name` is further behind its share than the holder of a slice
+        under way (a grant now would pick it), by OWED_QUANTA quanta of credit,
+        counting what the slice has cost the holder so far: a container whose
+        processes overlap their requests never rests, yet its requests should
+        not wait out a busy holder's slices. (A drain is waited for as before.)"""
+        if not isinstance(turn, Holding):
+            return False
+        holder = turn.holder
+        mine = self._accounts[name].credit
+        unpaid = now - turn.paid_to
+        theirs = self._accounts[holder].credit - (unpaid / 2 if turn.sharing else unpaid)
+        share, holder_share = self._rates[name][0], self._rates[holder][0]
+        return (mine >= theirs + self.quantum * OWED_QUANTA and share > 0
+                and (holder_share <= 0 or mine / share > theirs / holder_share))
 
     # -- the transitions under policies 0-4, one per state -------------------
 
@@ -452,7 +479,7 @@ class SliceScheduler:
                    if observed.get(n, NOTHING).waiting and n not in self._late}
         state = self._state
         if isinstance(state, Holding | Draining):
-            waking = self._waking(state.holder, waiting)
+            waking = self._waking(state, now, waiting)
             if waking:
                 self._hand_over(state, now)
                 return self._grant(now, waiting, among=waking, sharing=state.holder)

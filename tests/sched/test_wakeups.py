@@ -109,3 +109,23 @@ def test_requests_are_not_late_when_each_step_comes_a_millisecond_after_the_ring
     run(SliceScheduler(config), procs, 2.0, step_delay=0.001)
     started = {p.container: len(p.requests) for p in procs}
     assert started == {p.container: 100 for p in procs}
+
+
+@pytest.mark.parametrize("policy", [1, 4])
+def test_a_container_that_never_rests_does_not_wait_out_a_busy_slice(policy: int) -> None:
+    """Eight processes take turns with the requests (one every 20 ms, each process's
+    every 160 ms), so the container never rests; beside a busy neighbour of eight
+    processes it is owed, and takes the GPU at once: a request waits at most for
+    what the neighbour had queued (8 processes x 2), not for its slice (20 kernels)
+    and then its queue. Past the first 0.3 s, in which that credit builds up."""
+    config = GpuConfig(policy=Policy(policy), containers={"int": W(1), "nb": W(1)})
+    busy = [Proc("nb", 0.001, depth=2) for _ in range(8)]
+    serving = [Proc("int", 0.001, depth=2, every=0.16, next_request=0.005 + 0.02 * i)
+               for i in range(8)]
+    procs = busy + serving
+    got = kernels(run(SliceScheduler(config), procs, 3.0), procs)
+    done = [r for p in serving for r in p.requests if r.end is not None and r.start > 0.3]
+    assert len(done) >= 130, "every request is served"
+    assert max(sum(r.ran_meanwhile(i) for i in range(len(busy))) for r in done) <= 16
+    assert got["int"] / 3.0 == pytest.approx(0.1, abs=0.005), got
+    assert got["nb"] / 3.0 == pytest.approx(0.9, abs=0.05), got
