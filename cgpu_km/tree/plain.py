@@ -82,9 +82,6 @@ class PlainTree:
         temporary.write_bytes(content)
         temporary.chmod(self._mode(relpath))
         os.replace(temporary, self.root / relpath)
-        self._remember(relpath, content)
-
-    def _remember(self, relpath: str, content: bytes) -> None:
         self.rendered[relpath] = content
 
     def _watch(self, directory: str) -> None:
@@ -141,8 +138,7 @@ class PlainTree:
         if target.exists():  # left over from a crashed predecessor
             shutil.rmtree(target)
         os.rename(temporary, target)
-        for relpath, content in files.items():
-            self._remember(relpath, content)
+        self.rendered.update(files)
         self._watch(directory)
 
     def _remove_dir(self, directory: str) -> None:
@@ -174,15 +170,17 @@ class PlainTree:
                 self.written.update(p for p in self.rendered if _is_writable(p))
             elif mask & IN_IGNORED:
                 self.watched.pop(wd, None)
-            elif wd in self.watched and _is_writable(_node_path(self.watched[wd], name)):
-                self.written.add(_node_path(self.watched[wd], name))
+            elif wd in self.watched:
+                relpath = _node_path(self.watched[wd], name)
+                if _is_writable(relpath):
+                    self.written.add(relpath)
 
     def scan_writes(self) -> bool:
         """Apply node files that writers changed since we wrote them; True if any was seen."""
         self._note_writes()
         seen = False
-        for relpath in sorted(self.written):
-            self.written.discard(relpath)
+        written, self.written = self.written, set()
+        for relpath in sorted(written):
             if relpath not in self.rendered:
                 continue  # its container went meanwhile
             try:
@@ -199,7 +197,7 @@ class PlainTree:
                     f"kept {self.rendered[relpath].strip()!r}")
             if self._reads(relpath) == content:
                 # Already what the tree reads: rewriting it would race the next writer.
-                self._remember(relpath, content)
+                self.rendered[relpath] = content
             else:
                 self.rendered.pop(relpath)  # rewrite it with the tree's value
         return seen
@@ -245,6 +243,12 @@ class PlainTree:
                 path.unlink(missing_ok=True)
         self.rendered.clear()
         self.written.clear()
+
+    def close(self, fd: int) -> None:
+        """Remove the tree (`clear`) and close the FIFO's `fd` and the inotify descriptor."""
+        self.clear()
+        self.inotify.close()
+        os.close(fd)
 
     def serve(self, fd: int, stop: threading.Event, interval: float = 0.02) -> None:
         """Until `stop`: read commands from the FIFO, pick up node writes, re-render."""
@@ -325,9 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plain.serve(fd, stop, args.interval)
     finally:
-        plain.clear()
-        plain.inotify.close()
-        os.close(fd)
+        plain.close(fd)
     return 0
 
 

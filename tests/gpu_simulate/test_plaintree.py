@@ -136,9 +136,7 @@ def in_process(tmp_path: Path) -> Iterator[PlainTree]:
     try:
         yield tree
     finally:
-        tree.clear()
-        tree.inotify.close()
-        os.close(fd)
+        tree.close(fd)
 
 
 def step(tree: PlainTree) -> None:
