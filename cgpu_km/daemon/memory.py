@@ -94,7 +94,9 @@ class MemoryService:
         task of its own. A limit lowered below what a cGPU container holds leaves
         it what it held until its use falls under (eGPU: the operator asked for
         the OOM script and the stop)."""
-        for key, found in memory.by_container.items():
+        holding = [key for key, found in memory.by_container.items() if found.procs]
+        for key in holding:  # a container that holds nothing has nothing to stop
+            found = memory.by_container[key]
             limit = self.limits.memsize.get(key, 0)
             if not self.plane.egpu(key):
                 limit = self.grandfather.limit(key, limit, found.total, key in lowered)
@@ -108,7 +110,7 @@ class MemoryService:
             for pid in over:
                 self.stopping.add((key, pid))
                 stops.start_soon(self._stop, key, pid)
-        self.grandfather.forget(set(memory.by_container))
+        self.grandfather.forget(set(holding))  # nor is anything held over for it
 
     def _bypass(self, memory: MemoryView, stops: trio.Nursery) -> None:
         """Stop (or report) every process of a container that holds GPU memory

@@ -146,11 +146,32 @@ class Snapshot:
 
 def _plain(value: Any) -> Any:
     """`dataclasses.asdict` for the snapshot's plain fields, without its deep copies."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    kind = type(value)
+    if kind in _SCALARS:  # most values: tested first, as the snapshot has thousands
+        return value
+    names = _field_names(kind)
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
     if isinstance(value, tuple | list):
         return [_plain(item) for item in value]
     return value
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...] | None] = {}
+
+
+def _field_names(kind: type) -> tuple[str, ...] | None:
+    """The field names of a dataclass type, None for any other type (remembered)."""
+    try:
+        return _FIELD_NAMES[kind]
+    except KeyError:
+        names = (tuple(f.name for f in dataclasses.fields(kind))
+                 if dataclasses.is_dataclass(kind) else None)
+        _FIELD_NAMES[kind] = names
+        return names
 
 
 def _check(hint: Any, value: Any, where: str) -> Any:

@@ -650,7 +650,11 @@ class Region:
         return self._account.proc[slot].gpu[k]  # type: ignore[no-any-return]
 
     def live_slots(self) -> list[int]:
-        return [i for i in range(self._slots_used()) if self._account.proc[i].state == SLOT_LIVE]
+        used = self._slots_used()
+        if not used:  # most containers, most of the time: looked at every round
+            return []
+        proc = self._account.proc
+        return [i for i in range(used) if proc[i].state == SLOT_LIVE]
 
     def usage(self, k: int) -> int:
         """Bytes the container holds on GPU k: the sum of all slots (as reported)."""
