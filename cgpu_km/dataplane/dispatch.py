@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Set
@@ -46,9 +47,11 @@ from cgpu_km.sched import (
 log = logging.getLogger("cgpu-daemon")
 
 HEARTBEAT_NS = 500_000_000  # gates fail open when the heartbeat is 2 s old
-# A step this close to the next heartbeat stamps it early: a lone holder's
-# renewals (every LONE_SLICE) carry the heartbeat, with no wake of its own.
-BEAT_EARLY_NS = 250_000_000
+# The heartbeat is stamped at any step this close to its time, before or after
+# (so at most 0.75 s apart, far from the 2 s): a lone holder's renewals (every
+# LONE_SLICE) carry it, and the dispatcher wakes for it alone only when no step
+# came by.
+BEAT_SLACK_NS = 250_000_000
 RING_LIMIT = 200  # rings a second a container may wake the dispatcher with ...
 MUTE_NS = 50_000_000  # ... before its rings are not waited on for this long
 IDLE_WAKE_NS = 1_000_000_000  # look again at least this often
@@ -188,12 +191,12 @@ class Dispatcher:
             while not self._stop.is_set():
                 decision = self.step()
                 now = self.clock()
-                if now >= next_beat - BEAT_EARLY_NS:
+                if now >= next_beat - BEAT_SLACK_NS:
                     self.port.heartbeat(now)
                     next_beat = now + HEARTBEAT_NS
                 watch = decision.idle_watch
                 wake_at = watch.otherwise if watch is not None else decision.wake_at
-                deadline = min(wake_at * 1e9, next_beat, now + IDLE_WAKE_NS)
+                deadline = min(wake_at * 1e9, next_beat + BEAT_SLACK_NS, now + IDLE_WAKE_NS)
                 with self._lock:
                     late, draining = self._scheduler.late, self._scheduler.draining
                 # Rings that are answers: those of the holder while it drains (until
@@ -209,7 +212,8 @@ class Dispatcher:
                     deadline = min(deadline, now + DRAIN_POLL_NS)
                 quiet = {n for n, seen in self._observed.items()
                          if (seen.waiting or n == decision.holder) and n not in answering}
-                ringer = self.port.wait(int(deadline), quiet, decision.holder, watch)
+                # Rounded up: a deadline a fraction of a nanosecond early is a step for nothing.
+                ringer = self.port.wait(math.ceil(deadline), quiet, decision.holder, watch)
                 if draining and ringer is not None and ringer == decision.holder:
                     drain_wakes += 1
         except BaseException as error:  # logged; the daemon's watchdog notices the silence

@@ -243,7 +243,7 @@ OWED_QUANTA = 2.0
 MAX_OVERLAP = 2
 # A holder alone with the whole GPU is looked at this often (a container that
 # starts waiting rings, and is looked at at once).
-LONE_SLICE = 0.25
+LONE_SLICE = 0.5
 
 
 class SliceScheduler:

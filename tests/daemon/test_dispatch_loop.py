@@ -1,0 +1,76 @@
+"""The dispatcher's loop against a port in simulated time: how often it wakes
+and stamps the heartbeat (counted in wakes and stamps; no clock is read)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+
+import pytest
+
+from cgpu_km.dataplane.dispatch import Dispatcher
+from cgpu_km.sched import ContainerSpec, GpuConfig, IdleWatch, Observation, Policy
+
+SECOND = 1_000_000_000
+GATES_FAIL_OPEN_NS = 2 * SECOND
+
+
+class SimulatedPort:
+    """Containers that launch without end (`busy`) or never; every wait lasts
+    until its deadline, which moves the clock. Stops the dispatcher after
+    `seconds`."""
+
+    def __init__(self, busy: Set[str], idle: Set[str], seconds: float) -> None:
+        self.now = 10 * SECOND
+        self.end = self.now + int(seconds * SECOND)
+        self.busy, self.idle = busy, idle
+        self.launches = 0
+        self.wakes = 0
+        self.beats: list[int] = []
+        self.dispatcher: Dispatcher | None = None
+
+    def observe(self) -> Mapping[str, Observation]:
+        self.launches += 1
+        seen = {name: Observation(waiting=True, launches=self.launches) for name in self.busy}
+        return {**seen, **{name: Observation() for name in self.idle}}
+
+    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
+              armed: frozenset[str] = frozenset()) -> None:
+        pass
+
+    def heartbeat(self, now_ns: int) -> None:
+        self.beats.append(now_ns)
+
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
+             watch: IdleWatch | None = None) -> str | None:
+        self.now = max(self.now + 1, deadline_ns)  # one already past returns at once
+        self.wakes += 1
+        if self.now >= self.end:
+            assert self.dispatcher is not None
+            self.dispatcher.stop()
+        return None
+
+    def kick(self) -> None:
+        pass
+
+    def open_all(self) -> None:
+        pass
+
+
+def run(busy: Set[str], idle: Set[str], seconds: float) -> SimulatedPort:
+    port = SimulatedPort(busy, idle, seconds)
+    config = GpuConfig(policy=Policy.SOFT, max_inst=4,
+                       containers={n: ContainerSpec(weight=1) for n in busy | idle})
+    port.dispatcher = Dispatcher(0, port, config, clock=lambda: port.now)
+    port.dispatcher.run()
+    return port
+
+
+@pytest.mark.parametrize("busy", [set(), {"a"}], ids=["idle", "a lone holder"])
+def test_the_heartbeat_stays_fresh_with_few_wakes(busy: set[str]) -> None:
+    port = run(busy, {"b", "c"} - busy, seconds=60)
+    gaps = [b - a for a, b in zip(port.beats, port.beats[1:], strict=False)]
+    assert max(gaps) <= 3 * SECOND // 4, "at most 0.75 s between two heartbeats"
+    assert max(gaps) < GATES_FAIL_OPEN_NS
+    # About two wakes a second: a lone holder's renewals carry the heartbeat,
+    # which has no wake of its own in between (before, it had: four a second).
+    assert port.wakes <= 2 * 60 + 2, f"{port.wakes} wakes in 60 s"
