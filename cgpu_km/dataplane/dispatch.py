@@ -40,6 +40,7 @@ from cgpu_km.sched import (
     IdleWatch,
     Observation,
     Policy,
+    ProcessRests,
     SliceDecision,
     SliceScheduler,
 )
@@ -240,6 +241,7 @@ class RegionPort:
         self._muted_until: dict[str, int] = {}
         self._launches: dict[str, int] = {}  # at the last observation
         self._active_at: dict[str, float] = {}  # when the last wait's watch saw it active
+        self._rests = ProcessRests()
 
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
         """The containers on this GPU: name -> (its region, its container GPU)."""
@@ -258,6 +260,7 @@ class RegionPort:
         rung: dict[str, int] = {}
         launched: dict[str, int] = {}
         active_at, self._active_at = self._active_at, {}
+        now = time.monotonic_ns() / 1e9
         for name, (region, k) in self.entries().items():
             rung[name] = region.doorbell(k)
             slots = region.live_slots()
@@ -269,18 +272,23 @@ class RegionPort:
             launches = 0
             answered = True
             drained = 0
+            rest = 0.0
             for slot in slots:
                 line = region.slot_gpu(slot, k)
                 launches += line.launches
                 if line.pending:
                     waiting = True
+                rest = max(rest, self._rests.look((name, region.slot_pid(slot), slot),
+                                                  int(line.launches), bool(line.pending), now))
                 if line.watching:
                     if line.drained_seq != close_seq:
                         answered = False
                     drained = max(drained, line.drained_ns)
             found[name] = Observation(waiting=waiting, launches=launches, answered=answered,
-                                      drained_at=drained / 1e9, active_at=active_at.get(name))
+                                      drained_at=drained / 1e9, active_at=active_at.get(name),
+                                      process_rest=rest)
             launched[name] = launches
+        self._rests.end_round()
         self._rung = rung
         self._launches = launched
         return found

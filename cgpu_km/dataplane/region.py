@@ -649,6 +649,10 @@ class Region:
         """The live line of one slot on GPU k (for the dispatcher's fast reads)."""
         return self._account.proc[slot].gpu[k]  # type: ignore[no-any-return]
 
+    def slot_pid(self, slot: int) -> int:
+        """The pid (in the container's namespace) a slot was claimed by."""
+        return int(self._account.proc[slot].pid)
+
     def live_slots(self) -> list[int]:
         used = self._slots_used()
         if not used:  # most containers, most of the time: looked at every round

@@ -18,6 +18,7 @@ from cgpu_km.sched.slices import (
     QUANTUM,
     IdleWatch,
     Observation,
+    ProcessRests,
     SliceDecision,
     SliceScheduler,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "IdleWatch",
     "Observation",
     "Policy",
+    "ProcessRests",
     "SliceDecision",
     "SliceScheduler",
     "allotments",

@@ -27,9 +27,11 @@ nobody else waits and its credit allows.
 Handovers, for latency: a container that starts waiting after a rest (it
 had neither launched, waited nor held the GPU for half a quantum) and is
 eligible takes the GPU from its holder at once, instead of after the
-holder's slice and drain; so does one that waits while it is owed
-OWED_QUANTA quanta more share credit than the holder of a slice (its
-processes take turns with their requests, so the container never rests).
+holder's slice and drain (so does one in which a process starts to launch
+or wait after such a rest of its own: `Observation.process_rest`); so does
+one that waits while it is owed OWED_QUANTA quanta more share credit than
+the holder of a slice (its processes take turns with their requests, so
+the container never rests).
 The holder's gate closes and it is late until it answers (not granted
 before, charged until then, cut at its drain limit as any holder); the
 driver time-slices the two meanwhile, and that shared span is paid half by
@@ -105,6 +107,7 @@ __all__ = [
     "Late",
     "Native",
     "Observation",
+    "ProcessRests",
     "SliceDecision",
     "SliceScheduler",
     "State",
@@ -124,6 +127,43 @@ class Observation:
     # When the caller last saw it launch or wait, if it watched (`IdleWatch`);
     # None: at the instant of the observation, if it launched since the last step.
     active_at: float | None = None
+    # The longest rest of a process that started to launch or wait since the last
+    # observation (`ProcessRests`): a container whose processes take turns with
+    # their requests never rests as a whole, but each of those processes does.
+    process_rest: float = 0.0
+
+
+class ProcessRests:
+    """The caller's record of each process: how long one that starts to launch
+    or wait had rested before, as far as the caller's own looks tell (its
+    clock, the process's counters only compared). A process seen for the first
+    time has not rested; one that launched between two looks rested at least
+    until the earlier one."""
+
+    def __init__(self) -> None:
+        # key -> (launches, waiting, when last seen active, when last looked at)
+        self._seen: dict[object, tuple[int, bool, float, float]] = {}
+        self._looked: dict[object, tuple[int, bool, float, float]] = {}
+
+    def look(self, key: object, launches: int, waiting: bool, now: float) -> float:
+        """One process at one look (`key`: any name that is its own); its rest."""
+        before = self._seen.get(key)
+        rest = 0.0
+        active_at = now
+        if before is not None:
+            was_launches, was_waiting, active_at, looked_at = before
+            if launches != was_launches:
+                rest, active_at = max(0.0, looked_at - active_at), now
+            elif waiting and not was_waiting:
+                rest = now - active_at
+        if waiting:
+            active_at = now
+        self._looked[key] = (launches, waiting, active_at, now)
+        return rest
+
+    def end_round(self) -> None:
+        """After a look at every process: those not looked at are gone."""
+        self._seen, self._looked = self._looked, {}
 
 
 @dataclass(frozen=True)
@@ -360,11 +400,14 @@ class SliceScheduler:
             raise ValueError(f"time went backwards: {now} < {self._now}")
         self._now = now
         observed = self._launched_through_armed(observed)
+        holder = self.holder
         for name, acc in self._accounts.items():
             seen = observed.get(name, NOTHING)
             if seen.waiting:
                 if acc.last_waiting < self._now_before or acc.last_waiting == -NEVER:
                     acc.rested = now - acc.last_active  # a wait begins
+                if name != holder:  # a rested process of a waiting container
+                    acc.rested = max(acc.rested, seen.process_rest)
                 acc.last_waiting = now
             if seen.waiting:
                 acc.last_active = now

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from cgpu_km.sched import Observation, SliceScheduler
+from cgpu_km.sched import Observation, ProcessRests, SliceScheduler
 
 
 @dataclass
@@ -79,6 +79,7 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
     wake_at = 0.0
     pending_step: float | None = 0.0
     was_waiting = dict.fromkeys(names, False)
+    rests = ProcessRests()  # as the dispatcher's port keeps them
     by_name: dict[str, list[Proc]] = {name: [p for p in procs if p.container == name]
                                       for name in names}
     t = 0.0
@@ -152,12 +153,17 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
             observed = {}
             for name, mine in by_name.items():
                 watching = [p for p in mine if p.launches]
+                busy_wants = demand(t, name) and name not in open_
                 observed[name] = Observation(
                     waiting=was_waiting[name],
                     launches=sum(p.launches for p in mine),
                     answered=all(p.answered_seq == close_seq[name] for p in watching),
                     drained_at=max((p.drained_at for p in watching), default=0.0),
+                    process_rest=max(rests.look(id(p), p.launches, bool(
+                        p.to_launch or p.queue or (p.every == 0 and busy_wants)), t)
+                        for p in mine),
                 )
+            rests.end_round()
             decision = scheduler.step(t, observed)
             passing = decision.open | decision.armed
             for name in open_ - passing:

@@ -129,3 +129,25 @@ def test_a_container_that_never_rests_does_not_wait_out_a_busy_slice(policy: int
     assert max(sum(r.ran_meanwhile(i) for i in range(len(busy))) for r in done) <= 16
     assert got["int"] / 3.0 == pytest.approx(0.1, abs=0.005), got
     assert got["nb"] / 3.0 == pytest.approx(0.9, abs=0.05), got
+
+
+@pytest.mark.parametrize("policy", [1, 4])
+def test_a_process_that_rested_takes_the_gpu_from_the_first_request_on(policy: int) -> None:
+    """As above, from the start: before credit builds up, a request that comes
+    soon after the container's last one (which waited beside the neighbour's
+    queue) finds the container not rested and not yet owed; but its process
+    rested 160 ms, and takes the GPU at once. Without that, the first requests
+    waited out the neighbour's slices (52 of its kernels) on a dispatcher that
+    steps 1 ms after a ring."""
+    config = GpuConfig(policy=Policy(policy), containers={"int": W(1), "nb": W(1)})
+    busy = [Proc("nb", 0.001, depth=4) for _ in range(8)]
+    serving = [Proc("int", 0.001, depth=2, every=0.16, next_request=0.005 + 0.02 * i)
+               for i in range(8)]
+    procs = busy + serving
+    got = kernels(run(SliceScheduler(config), procs, 3.0, step_delay=0.001,
+                      answer_delay=0.0005), procs)
+    done = [r for p in serving for r in p.requests if r.end is not None]
+    assert len(done) >= 145, "every request is served"
+    # at most what the neighbour's processes had queued (8 x 4), never its slice too
+    assert max(sum(r.ran_meanwhile(i) for i in range(len(busy))) for r in done) <= 32
+    assert got["int"] / 3.0 == pytest.approx(0.1, abs=0.005), got
