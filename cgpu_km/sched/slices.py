@@ -30,8 +30,8 @@ eligible takes the GPU from its holder at once, instead of after the
 holder's slice and drain (so does one in which a process starts to launch
 or wait after such a rest of its own: `Observation.process_rest`); so does
 one that waits while it is owed OWED_QUANTA quanta more share credit than
-the holder of a slice (its processes take turns with their requests, so
-the container never rests).
+the holder of a slice, or the slice and a quantum when that is more (its
+processes take turns with their requests, so the container never rests).
 The holder's gate closes and it is late until it answers (not granted
 before, charged until then, cut at its drain limit as any holder); the
 driver time-slices the two meanwhile, and that shared span is paid half by
@@ -274,9 +274,9 @@ QUANTUM = 0.02
 MAX_QUANTA = 4.0  # the longest slice, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
 REST_QUANTA = 0.5  # how long a container must rest before it may wake into the GPU
-# ... or how much further behind in share credit than the holder it must be.
-# Between busy containers the gap grows by about a quantum a slice: their turns
-# still end as slices do.
+# ... or how much further behind in share credit than the holder it must be (at
+# least: between busy containers the gap grows by about the holder's slice in
+# one slice, so more where that is longer; their turns still end as slices do).
 OWED_QUANTA = 2.0
 # Handovers whose drains may overlap the holder at once (a chain of waking
 # containers: each earlier drainer pays in full once its successor's turn ends).
@@ -499,8 +499,9 @@ class SliceScheduler:
 
     def _owed(self, name: str, turn: Turn, now: float) -> bool:
         """Whether `name` is further behind its share than the holder of a slice
-        under way (a grant now would pick it), by OWED_QUANTA quanta of credit,
-        counting what the slice has cost the holder so far: a container whose
+        under way (a grant now would pick it), by OWED_QUANTA quanta of credit
+        (or the slice's length and a quantum, if more), counting what the
+        slice has cost the holder so far: a container whose
         processes overlap their requests never rests, yet its requests should
         not wait out a busy holder's slices. (A drain is waited for as before.)"""
         if not isinstance(turn, Holding):
@@ -510,7 +511,11 @@ class SliceScheduler:
         unpaid = now - turn.paid_to
         theirs = self._accounts[holder].credit - (unpaid / 2 if turn.sharing else unpaid)
         share, holder_share = self._rates[name][0], self._rates[holder][0]
-        return (mine >= theirs + self.quantum * OWED_QUANTA and share > 0
+        # In one slice the gap between two busy containers grows by up to the
+        # slice's length: owed is further behind than that (longer slices are
+        # those of larger shares).
+        owed = max(self.quantum * OWED_QUANTA, self._slice_length(holder) + self.quantum)
+        return (mine >= theirs + owed and share > 0
                 and (holder_share <= 0 or mine / share > theirs / holder_share))
 
     # -- the transitions under policies 0-4, one per state -------------------

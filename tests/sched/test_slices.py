@@ -38,6 +38,22 @@ def busy(*names: str, kernel: float = 0.001, depth: int = 2) -> list[Proc]:
     return [Proc(name, kernel, depth) for name in names]
 
 
+@pytest.mark.parametrize("policy", [2, 4])
+def test_busy_containers_with_long_slices_still_take_exclusive_turns(policy: int) -> None:
+    """Weights 5:5:1:1 give the two large containers slices of 4 quanta; while one
+    holds, the other falls that far behind in credit, which must not count as
+    owed (a handover): they would share the GPU, paid half each, and the one
+    with more processes would outrun the other (0.37 against 0.46 before)."""
+    config = GpuConfig(policy=Policy(policy), max_inst=12, containers={
+        "c0": ContainerSpec(5), "c1": ContainerSpec(5), "c2": ContainerSpec(1),
+        "c3": ContainerSpec(1)})
+    procs = [Proc("c0", 0.003, 3), *busy("c1", "c1", "c1", "c1", kernel=0.0005, depth=1),
+             *busy("c2", "c3", kernel=0.0005, depth=1)]
+    got = fractions(config, procs, 4.0)
+    assert got["c0"] / got["c1"] == pytest.approx(1.0, abs=0.03), got
+    assert got["c2"] / got["c0"] == pytest.approx(0.2, abs=0.01), got
+
+
 @st.composite
 def scenarios(draw: st.DrawFn) -> tuple[GpuConfig, list[Proc]]:
     max_inst = draw(st.integers(2, 25))
