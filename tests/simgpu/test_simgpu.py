@@ -474,8 +474,10 @@ def test_events_time_the_engine(sim: SimHost) -> None:
     host_ms, not_ready, ms = got
     print(f"the launches took {host_ms:.2f} ms of the host's time")
     assert not_ready == 600  # CUDA_ERROR_NOT_READY: the launches returned first
-    # 100 ms of kernels, plus at most what the host took between the two records
-    assert 99 <= ms <= 100 + host_ms + 0.01, got
+    # 100 ms of kernels (not the host's 0.05 ms of launches), plus at most what the
+    # host took between the two records and the engine's own wake-ups at each
+    # kernel's end (tens of us each on a loaded host); a fifth kernel would be 25 ms
+    assert 99 <= ms <= 100 + host_ms + 5, got
 
 
 def test_tight_launch_loop_is_bounded_by_the_queue(sim: SimHost) -> None:
