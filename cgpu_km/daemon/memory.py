@@ -94,9 +94,8 @@ class MemoryService:
         task of its own. A limit lowered below what a cGPU container holds leaves
         it what it held until its use falls under (eGPU: the operator asked for
         the OOM script and the stop)."""
-        holding = [key for key, found in memory.by_container.items() if found.procs]
-        for key in holding:  # a container that holds nothing has nothing to stop
-            found = memory.by_container[key]
+        holding = {key: found for key, found in memory.by_container.items() if found.procs}
+        for key, found in holding.items():  # a container that holds nothing has nothing to stop
             limit = self.limits.memsize.get(key, 0)
             if not self.plane.egpu(key):
                 limit = self.grandfather.limit(key, limit, found.total, key in lowered)

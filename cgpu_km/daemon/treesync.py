@@ -149,11 +149,11 @@ class TreeSync:
         came_or_went = set(old) != set(quick.gpus) or any(
             old[g].containers != quick.gpus[g].containers for g in quick.gpus
         )
-        await self._read_containers([
-            (gpu, name) for gpu, nodes in quick.gpus.items()
-            for name in sorted(nodes.containers if every_container else
-                               nodes.containers - (old[gpu].containers if gpu in old
-                                                   else frozenset()))])
+        to_read: list[Key] = []
+        for gpu, nodes in quick.gpus.items():
+            known = old[gpu].containers if gpu in old and not every_container else frozenset()
+            to_read += [(gpu, name) for name in sorted(nodes.containers - known)]
+        await self._read_containers(to_read)
         present = {(g, n) for g, nodes in quick.gpus.items() for n in nodes.containers}
         self.view.keep(present)
         if came_or_went or every_container:
