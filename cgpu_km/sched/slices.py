@@ -22,7 +22,11 @@ whose credits are not negative; when none is, the GPU stays idle until one
 is (that is how shares below 1 hold under policies 0, 2 and 3). Positive
 credit is clamped to a short burst while a container is idle (no banking). A
 lone busy holder keeps the GPU without a drain: its slice is renewed while
-nobody else waits and its credit allows.
+nobody else waits and its credit allows. An idle holder (it neither launched
+nor waited for the idle grace) gives the GPU up once another container waits;
+under policies 0, 2 and 3, where unused time stays idle, at once, alone too:
+else it would pay for time nobody used, and containers whose requests leave
+the GPU idle between them would fall behind their shares.
 
 Handovers, for latency: a container that starts waiting after a rest (it
 had neither launched, waited nor held the GPU for half a quantum) and is
@@ -558,7 +562,8 @@ class SliceScheduler:
         others = {n for n in waiting - {holder}
                   if self._eligible(n) or (lend and self._rates[n][0] > 0
                                            and self._accounts[n].cap_credit >= 0)}
-        # Idle: it gave up the GPU as soon as someone else waits or drains.
+        # Idle: it gives the GPU up as soon as someone else waits or drains; where
+        # unused time stays idle, at once (it would pay for time nobody used).
         idle = now - self._accounts[holder].last_active >= self.idle_grace
         preempted = not self._allot[holder].preempts and any(
             self._allot[n].preempts and self._eligible(n) for n in others)
@@ -568,7 +573,7 @@ class SliceScheduler:
         ended = now >= turn.slice_end
         if ended:  # charge the slice so far: is there credit for another?
             turn = replace(turn, paid_to=self._pay(turn, now))
-        if (preempted or (others and ended) or (idle and (others or self._late))
+        if (preempted or (others and ended) or (idle and (others or self._late or not lend))
                 or (ended and not self._eligible(holder, slack=1e-9))):
             # Closed now: the answers in `observed` predate this close.
             self._state = Draining(holder, closed_at=now, paid_to=turn.paid_to,
@@ -581,7 +586,7 @@ class SliceScheduler:
                            slice_end=now + (self._slice_length(holder) if company else alone))
         self._state = turn
         idle_at = NEVER
-        if others or self._late:
+        if others or self._late or not lend:
             idle_at = self._accounts[holder].last_active + self.idle_grace
         return self._decision(frozenset({holder}), turn.slice_end, idle_at)
 
@@ -729,7 +734,8 @@ class SliceScheduler:
                                   sharing=sharing)
             self._accounts[chosen].last_active = now
             idle_at = NEVER
-            if len(waiting) > 1 or self._late:  # when it may give the GPU up idle
+            if (len(waiting) > 1 or self._late  # when it may give the GPU up idle
+                    or not self._config.policy.work_conserving):
                 idle_at = now + self.idle_grace
             return self._decision(frozenset({chosen}), self._state.slice_end, idle_at)
         # Nobody may run now: wake when the first waiting one's credits allow.

@@ -6,8 +6,11 @@ a GPU that time-slices between processes with queued work (as a real GPU
 does between contexts, `timeslice` each), and drain answers that come when a
 process's queue has emptied after a close (what libcgpu's watcher reports),
 `answer_delay` later. The scheduler is stepped when a process starts waiting
-or answers (the doorbell) and at the time its decision names, each
-`step_delay` late. Shares are counted in completed kernels per container:
+or answers (the doorbell), when its first launch through an armed gate
+rings (as libcgpu's does, once per arming), and at the time its decision
+names, each `step_delay` late. As libcgpu reports it, a process waits while
+a launch is held at the gate or, busy, at its in-flight bound; a request's
+synchronize is no wait. Shares are counted in completed kernels per container:
 the model's own count, never the scheduler's figures.
 
 A process with `every` > 0 serves requests instead of launching back to
@@ -71,6 +74,8 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
     `demand(t, name)`: whether that container's processes want to launch at t."""
     names = sorted({p.container for p in procs})
     open_: frozenset[str] = frozenset()  # gates a launch passes: open or armed
+    armed: frozenset[str] = frozenset()
+    rung: set[int] = set()  # processes whose launch through their armed gate rang
     close_seq = dict.fromkeys(names, 0)
     closed_at: dict[str, float] = {}
     running: Proc | None = None
@@ -88,7 +93,9 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
         return {i: p.completed for i, p in enumerate(procs)}
 
     while t < duration:
-        # requests begin; processes launch while their gate is open
+        # requests begin; processes launch while their gate is open (the first launch
+        # of each process through an armed gate rings)
+        armed_rang = False
         for p in procs:
             if p.every > 0 and p.to_launch == 0 and not p.queue and (
                     not p.requests or p.requests[-1].end is not None) and (
@@ -99,6 +106,11 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                     p.next_request += p.every
             if p.container not in open_:
                 continue
+            if p.container in armed and id(p) not in rung and (
+                    p.to_launch or (p.every == 0 and demand(t, p.container)
+                                    and len(p.queue) < p.depth)):
+                rung.add(id(p))
+                armed_rang = True
             if p.every > 0:
                 p.queue += [p.kernel] * p.to_launch
                 p.launches += p.to_launch
@@ -128,7 +140,7 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                     request.end, request.ended_with = t + dt, completed()
         t += dt
         # drain answers: a process answers once its queue is empty after a close
-        rang = False
+        rang = armed_rang
         for p in procs:
             seq = close_seq[p.container]
             if p.answered_seq == seq or p.queue:
@@ -142,7 +154,10 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
         for name, mine in by_name.items():
             wants = any(p.to_launch for p in mine) or (
                 demand(t, name) and any(p.every == 0 for p in mine))
-            waiting = (wants and name not in open_) or any(p.queue for p in mine)
+            # As libcgpu reports it: at the closed gate, or (a busy process) held
+            # at its in-flight bound; a request's synchronize is no wait.
+            waiting = (wants and name not in open_) or any(
+                p.queue for p in mine if p.every == 0)
             if waiting and not was_waiting[name]:
                 rang = True
             was_waiting[name] = waiting
@@ -160,12 +175,14 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                     answered=all(p.answered_seq == close_seq[name] for p in watching),
                     drained_at=max((p.drained_at for p in watching), default=0.0),
                     process_rest=max(rests.look(id(p), p.launches, bool(
-                        p.to_launch or p.queue or (p.every == 0 and busy_wants)), t)
+                        p.to_launch or (p.every == 0 and (p.queue or busy_wants))), t)
                         for p in mine),
                 )
             rests.end_round()
             decision = scheduler.step(t, observed)
             passing = decision.open | decision.armed
+            rung -= {id(p) for p in procs if p.container in decision.armed - armed}
+            armed = decision.armed
             for name in open_ - passing:
                 close_seq[name] += 1
                 closed_at[name] = t

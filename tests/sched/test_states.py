@@ -260,6 +260,33 @@ def test_a_holder_with_company_is_watched_for_idleness() -> None:
     assert alone.idle_watch is None, "nobody else wants the GPU: idleness changes nothing"
 
 
+@pytest.mark.parametrize("policy", [Policy.FAIR_SHARE, Policy.WEIGHTED, Policy.FIXED])
+def test_where_unused_time_stays_idle_a_lone_idle_holder_gives_the_gpu_up(
+        policy: Policy) -> None:
+    """Under 0, 2 and 3 a holder that went idle is closed even with nobody else
+    waiting, and is charged until its answer, not for the idle time after it."""
+    s = scheduler("a", "b", policy=policy, idle_grace=0.002)
+    granted = s.step(0.0, {"a": WAITING})
+    assert granted.idle_watch is not None, "watched alone too"
+    assert granted.idle_watch.at == pytest.approx(0.002)
+    s.step(0.001, {"a": busy(2)})
+    s.step(0.003, {"a": Observation(launches=2)})
+    assert state(s) == Draining("a", closed_at=0.003, paid_to=0.0)
+    decision = s.step(0.0035, {"a": Observation(launches=2, answered=True)})
+    assert state(s) == Idle()
+    assert s.used()["a"] == pytest.approx(0.0035)
+    assert "a" not in decision.armed, "it has not rested: its next launch rings"
+
+
+@pytest.mark.parametrize("policy", [Policy.PREEMPTIVE, Policy.SOFT])
+def test_where_idle_time_is_lent_a_lone_idle_holder_keeps_the_gpu(policy: Policy) -> None:
+    s = scheduler("a", "b", policy=policy, idle_grace=0.002)
+    assert s.step(0.0, {"a": WAITING}).idle_watch is None
+    s.step(0.001, {"a": busy(2)})
+    s.step(0.01, {"a": Observation(launches=2)})
+    assert isinstance(state(s), Holding)
+
+
 def test_a_watched_holder_is_idle_from_when_it_was_last_seen_active() -> None:
     """`active_at`: the caller watched a launch at 0.004 and stepped at 0.0065,
     2.5 ms later: the holder (y, first by name) has been idle for its grace

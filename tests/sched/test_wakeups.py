@@ -111,6 +111,27 @@ def test_requests_are_not_late_when_each_step_comes_a_millisecond_after_the_ring
     assert started == {p.container: 100 for p in procs}
 
 
+@pytest.mark.parametrize("policy", [0, 2, 3])
+def test_where_unused_time_stays_idle_the_idle_gpu_costs_nobody(policy: int) -> None:
+    """Four interactive containers, each owed a quarter and using a tenth, whose
+    requests all come in the first half of every 20 ms: the GPU is idle in the
+    second half. A holder that kept the GPU through it would pay for it, fall
+    behind its share and wait for credit (requests 3 ms late, while the others
+    run theirs); one that gives it up idle pays for its own work only."""
+    n = 4
+    procs = [Proc(f"i{i}", 0.001, depth=2, every=0.02, next_request=0.0005 + 0.01 * i / n)
+             for i in range(n)]
+    config = GpuConfig(policy=Policy(policy), max_inst=n,
+                       containers={p.container: W(1) for p in procs})
+    run(SliceScheduler(config), procs, 3.0)
+    assert {p.container: len(p.requests) for p in procs} == {p.container: 150 for p in procs}
+    for mine, proc in enumerate(procs):
+        for request in proc.requests[:-1]:
+            # beside each of the others, at most the request it had under way
+            assert max(request.ran_meanwhile(other) for other in range(n)
+                       if other != mine) <= 2
+
+
 @pytest.mark.parametrize("policy", [1, 4])
 def test_a_container_that_never_rests_does_not_wait_out_a_busy_slice(policy: int) -> None:
     """Eight processes take turns with the requests (one every 20 ms, each process's
