@@ -5,9 +5,10 @@ inotify says which nodes were written, so `echo 2 > <root>/0/policy` acts
 within one period; a slow poll (`tree_refresh`, `full_refresh`) is the safety
 net, and without inotify the GPU nodes are polled every period. The regions
 are attached here and nowhere else: a new container's when the tree lists it,
-and every period those of listed containers that had none (the hook and
-cgpu-run register before they create the region); a `memsize` written in the
-tree goes into the container's region at once (live memory limits).
+and, every period while some are missing, those of listed containers that
+had none (the hook and cgpu-run register before they create the region); a
+`memsize` written in the tree goes into the container's region at once (live
+memory limits).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class TreeSync:
         self.version = ""
         self.watcher: Watcher | None = None
         self.scheduled: set[int] = set()  # GPUs whose dispatcher was configured
+        # Set when an attach left a listed container without its region (or its
+        # identity): `_serve_missing` looks every period until none is missing.
+        self._missing = trio.Event()
         self.limits: dict[Key, int] = {}  # memsize as last given to the regions
         self.restored: Mapping[str, Any] = restored or {}
         self._limits_out = limits
@@ -165,18 +169,23 @@ class TreeSync:
     async def _attach(self, worker: Worker) -> None:
         """The regions of the containers the tree lists attached, the others' let go."""
         await worker(partial(self.plane.attach, self.view.listed()))
+        if self.plane.missing():
+            self._missing.set()
 
     async def _serve_missing(self) -> None:
-        """Every period: attach the regions of listed containers that had none
-        (the check is a look at the registry, in this thread: no worker's round
-        trip ten times a second for nothing)."""
-        async for _ in Ticks(self.settings.period):
-            try:
-                missing = self.plane.missing()
-                if self.view.nodes and missing:
+        """While a listed container has no region, or its region no identity yet:
+        every period, attach again. Asleep while none is missing (the look is at
+        the registry, in this thread)."""
+        while True:
+            await self._missing.wait()
+            self._missing = trio.Event()
+            async for _ in Ticks(self.settings.period):
+                try:
+                    if not self.plane.missing():
+                        break
                     await self._attach(self.attach_worker)
-            except OSError as error:
-                log.warning("cannot attach new regions: %s", error)
+                except OSError as error:
+                    log.warning("cannot attach new regions: %s", error)
 
     def _apply(self) -> None:
         """Push the view into the data plane: each GPU's configuration to its

@@ -123,14 +123,18 @@ class FakePlane:
         self.closed = False
         self.used: dict[int, dict[str, float]] = {}
         self.missing_names: set[str] = set()
+        self.attaches = 0
+        self.missing_looks = 0
         self.reclaims = 0
         self._lock = threading.Lock()
 
     def attach(self, containers: Mapping[int, Set[str]]) -> bool:
         self.attached = {gpu: set(names) for gpu, names in containers.items()}
+        self.attaches += 1
         return True
 
     def missing(self) -> set[str]:
+        self.missing_looks += 1
         return set(self.missing_names)
 
     def schedule(self, gpu: int, config: GpuConfig, state: Mapping[str, Any] | None) -> None:

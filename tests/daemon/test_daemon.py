@@ -142,6 +142,31 @@ async def test_a_region_made_after_the_add_is_attached_within_a_period(
         nursery.cancel_scope.cancel()
 
 
+async def test_nothing_is_looked_for_once_every_region_is_attached(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    tree, plane = two_containers(policy=1), FakePlane()
+    plane.missing_names = {"b"}
+    daemon, _ = make_daemon(tree, plane, tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        await trio.sleep(PERIOD * 3.5)
+        looked = plane.attaches
+        assert looked >= 3, "looked every period while b's region was missing"
+        plane.missing_names = set()
+        await trio.sleep(PERIOD * 2.5)  # the look that finds none missing, and one more
+        settled, looks = plane.attaches, plane.missing_looks
+        await trio.sleep(PERIOD * 20)
+        # (the slow safety sweep attaches again, and looks once after that)
+        assert plane.missing_looks - looks == plane.attaches - settled, (
+            "no look every period while nothing is missing")
+        plane.missing_names = {"b"}  # the region went: the next attach notices
+        tree.add(0, "c", 1)
+        await trio.sleep(PERIOD * 3.5)
+        assert plane.attaches >= settled + 3
+        nursery.cancel_scope.cancel()
+
+
 async def test_memsize_written_live_reaches_the_region(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
