@@ -161,7 +161,7 @@ def drop_capabilities(keep: int) -> None:
 
 
 def supplementary_groups(pid: int) -> list[int]:
-    status = kernelview.parse_status(Path(f"/proc/{pid}/status").read_text())
+    status = kernelview.parse_status(kernelview.read_proc(f"/proc/{pid}/status"))
     return [int(g) for g in status.get("Groups", "").split()]
 
 
@@ -182,7 +182,7 @@ def seccomp_filters(pid: int) -> list[bytes]:
     """`pid`'s seccomp filters as cBPF programs, the first installed first
     ([] when it has none). The process is stopped (PTRACE_INTERRUPT) for the
     copy, then let go; EnterError when they cannot be copied."""
-    status = kernelview.parse_status(Path(f"/proc/{pid}/status").read_text())
+    status = kernelview.parse_status(kernelview.read_proc(f"/proc/{pid}/status"))
     mode = status.get("Seccomp", "0")
     if mode == "0":
         return []

@@ -90,11 +90,26 @@ def parse_status(text: str) -> dict[str, str]:
     return fields
 
 
+def read_proc(path: str) -> str:
+    """The text of a /proc file. Some of it is a process's own (its name, its
+    cgroup's), any bytes it likes: those that are not UTF-8 are kept as
+    surrogates, never an error that would make the process look gone. Read with
+    plain system calls (no buffered file: a third of the calls, 64 a second on a
+    busy node)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = b""
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    finally:
+        os.close(fd)
+    return data.decode(errors="surrogateescape")
+
+
 def process_state(pid: int, proc: str = PROC) -> tuple[str, int] | None:
     """(state letter, start time) of a process, from its stat alone; None when gone."""
     try:
-        with open(f"{proc}/{pid}/stat") as handle:
-            return parse_stat(handle.read())
+        return parse_stat(read_proc(f"{proc}/{pid}/stat"))
     except (OSError, ValueError, IndexError):
         return None
 
@@ -104,12 +119,9 @@ def process_info(pid: int, proc: str = PROC) -> ProcessInfo | None:
     base = f"{proc}/{pid}"
     try:
         pidns = os.stat(f"{base}/ns/pid").st_ino
-        with open(f"{base}/stat") as handle:
-            state, start = parse_stat(handle.read())
-        with open(f"{base}/status") as handle:
-            status = parse_status(handle.read())
-        with open(f"{base}/cgroup") as handle:
-            cgroups = parse_cgroups(handle.read())
+        state, start = parse_stat(read_proc(f"{base}/stat"))
+        status = parse_status(read_proc(f"{base}/status"))
+        cgroups = parse_cgroups(read_proc(f"{base}/cgroup"))
     except (OSError, ValueError, IndexError):
         return None
     try:
@@ -143,9 +155,8 @@ def host_cgroups(proc: str = PROC) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for pid in ("1", "self"):
         try:
-            with open(f"{proc}/{pid}/cgroup") as handle:
-                for key, path in parse_cgroups(handle.read()).items():
-                    found.setdefault(key, set()).add(path)
+            for key, path in parse_cgroups(read_proc(f"{proc}/{pid}/cgroup")).items():
+                found.setdefault(key, set()).add(path)
         except OSError:
             continue
     return found

@@ -21,6 +21,7 @@
  *   control                      the region's control part as this process reads it
  *   slot                         this process's slot in the account part
  *   forge-own PID PIDNS MEM      rewrite this process's slot: pid, pid namespace, GPU 0 bytes
+ *   rename HEX                   prctl(PR_SET_NAME) to these bytes (any, UTF-8 or not)
  *   forge I PID PIDNS START MEM  write slot I as a live slot of someone else
  *   zero                         every slot's bytes held set to 0 (the account "reset")
  *   syscalls                     unshare(CLONE_NEWUSER) and keyctl(GET_KEYRING_ID): "ok" or
@@ -44,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -204,6 +206,24 @@ static void cmd_slot(void)
     printf("slot index=%ld pid=%d mem=%llu ctx_bytes=%llu pending=%u contexts=%u\n",
            (long)(s - account()->proc), s->pid, (unsigned long long)s->gpu[0].mem,
            (unsigned long long)s->gpu[0].ctx_bytes, s->gpu[0].pending, s->gpu[0].contexts);
+}
+
+static void cmd_rename(const char *hex)
+{
+    char name[16] = {0};
+    size_t n = 0;
+    for (; n < sizeof name - 1 && hex[2 * n] && hex[2 * n + 1]; n++) {
+        unsigned byte;
+        if (sscanf(hex + 2 * n, "%2x", &byte) != 1) {
+            printf("rename bad-hex\n");
+            return;
+        }
+        name[n] = (char)byte;
+    }
+    if (prctl(PR_SET_NAME, name, 0, 0, 0) != 0)
+        printf("rename %s\n", strerrorname_np(errno));
+    else
+        printf("rename ok\n");
 }
 
 static void cmd_forge_own(int pid, unsigned long long pidns, unsigned long long mem)
@@ -429,6 +449,8 @@ static void run(char *line)
         cmd_slot();
     } else if (strcmp(op, "forge-own") == 0) {
         cmd_forge_own(atoi(ARG(1)), strtoull(ARG(2), NULL, 0), strtoull(ARG(3), NULL, 0));
+    } else if (strcmp(op, "rename") == 0) {
+        cmd_rename(ARG(1));
     } else if (strcmp(op, "forge") == 0) {
         cmd_forge(atoi(ARG(1)), atoi(ARG(2)), strtoull(ARG(3), NULL, 0),
                   strtoull(ARG(4), NULL, 0), strtoull(ARG(5), NULL, 0));

@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO
 
+from cgpu_km.dataplane import kernelview
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.tree import client as treefs
 from tests.bench.shares import Report, parse_report
@@ -130,7 +131,7 @@ def host_pid(pidns: int, inner: int) -> int | None:
         try:
             if os.stat(f"/proc/{pid}/ns/pid").st_ino != pidns:
                 continue
-            status = Path(f"/proc/{pid}/status").read_text()
+            status = kernelview.read_proc(f"/proc/{pid}/status")  # names may be any bytes
         except OSError:
             continue
         for line in status.splitlines():

@@ -86,6 +86,25 @@ def test_a_process_that_rewrites_its_slot_cannot_allocate_past_the_limit(node: N
     assert node.nvml_processes()[attacker.host_pid] == 300 * MIB
 
 
+def test_a_process_named_in_bytes_that_are_not_utf8_is_still_seen(node: Node) -> None:
+    """Any process may name itself with any bytes (prctl PR_SET_NAME), and the kernel
+    shows them in its /proc stat and status: here 0xff ) 0xfe (, not UTF-8, with
+    parentheses to mislead a parser of stat. The daemon still finds the process: its
+    slot is not freed as a dead process's, NVML's figure for it is still its
+    container's, and another process of the container cannot allocate past the
+    limit."""
+    container = node.container(cgpu_mem(512))
+    node.start_daemon()
+    attacker = container.proc()
+    assert attacker.ask(f"alloc {300 * MIB}") == "alloc rc=0"
+    assert attacker.ask("rename ff29fe28") == "rename ok"
+    node.backstop_rounds(4)  # two seconds: the slots' processes were looked up since
+    assert fields(attacker.ask("slot"))["mem"] == str(300 * MIB), "its slot was kept"
+    assert node.meminfo(container) == (212 * MIB, {attacker.host_pid: 300 * MIB})
+    assert container.proc().ask(f"alloc {300 * MIB}") == "alloc rc=2"
+    assert attacker.alive()
+
+
 def test_a_forged_slot_naming_a_neighbour_stops_nobody(node: Node) -> None:
     """Attack 4(b): a container that uses no GPU writes slots naming another container's
     process (by host pid, and by its pid namespace and pid), far over its own limit."""

@@ -67,6 +67,27 @@ def test_process_info_of_this_process() -> None:
     assert kernelview.process_info(2**22 + 12345) is None
 
 
+@pytest.mark.parametrize("name", [b"\xff)\xfe(", b") R 1 2 3 (", b"\xc3"])
+def test_a_process_that_names_itself_in_any_bytes_is_still_seen(name: bytes) -> None:
+    """A process's name is its own choice of bytes (UTF-8 or not, parentheses and
+    all), and /proc shows it in stat and status."""
+    rename = (f"import ctypes, sys; ctypes.CDLL(None).prctl(15, {name!r}, 0, 0, 0); "
+              "print(flush=True); sys.stdin.read()")
+    with subprocess.Popen([sys.executable, "-c", rename], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None
+            child.stdout.readline()  # renamed
+            with open(f"/proc/{child.pid}/comm", "rb") as comm:
+                assert comm.read().rstrip(b"\n") == name
+            info = kernelview.process_info(child.pid)
+            assert info is not None
+            assert (info.inner_pid, info.state) == (child.pid, "S")
+            assert kernelview.process_state(child.pid) == ("S", info.start_time)
+        finally:
+            child.kill()
+
+
 def test_running_knows_a_process_until_it_exits_and_never_its_pid_reused() -> None:
     """Found once by a scan of /proc, then followed by its stat alone: running
     while it runs, gone once it exited, and a slot naming the same process with
