@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from cgpu_km.dataplane import kernelview
+
 MAX_LINKS = 40  # as the kernel's path walk
 PRELOAD_CAP = 64 << 10  # the largest ld.so.preload of an image that is read
 
@@ -167,8 +169,9 @@ class Root:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.mount = mount_id(fd)
-        with open("/proc/self/mountinfo") as mountinfo:
-            self.mounts = parse_mountinfo(mountinfo.read())
+        # Mount points are named by the image too (Docker mounts its VOLUMEs), in
+        # any bytes: read_proc keeps those that are not UTF-8.
+        self.mounts = parse_mountinfo(kernelview.read_proc("/proc/self/mountinfo"))
 
     def _on_image(self, fd: int, path: str, asked: str, link: str | None) -> None:
         mount = mount_id(fd)

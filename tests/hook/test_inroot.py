@@ -5,6 +5,9 @@ it would leave the folder's own mount."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,8 @@ from cgpu_km.container.inroot import (
     container_tmpfs,
     parse_mountinfo,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -129,3 +134,22 @@ def test_mountinfo_and_the_container_s_own_tmpfs() -> None:
             [(2, "/dev"), (2, "/dev/shm"), (3, "/run"), (4, "/data"), (5, "/tmp"),
              (6, "/proc")]] == [False, False, True, False, False, False]
     assert not container_tmpfs(None, "/run")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounts a tmpfs in a mount namespace of its own: needs root "
+                    "and unshare")
+def test_a_mount_named_in_bytes_that_are_not_utf8_is_read(tmp_path: Path) -> None:
+    """Docker mounts an image's VOLUMEs where the image says, in any bytes: the
+    container's mounts are still read, the odd one among them."""
+    target = os.fsencode(tmp_path) + b"/vol\xff)"
+    os.mkdir(target)
+    look = ("import os; from cgpu_km.container.inroot import Root; "
+            "root = Root(os.open('/', os.O_PATH | os.O_DIRECTORY)); "
+            "print(sum(m.fstype == 'tmpfs' and m.root == '/' for m in root.mounts.values()))")
+    mount_and_look = 'mount -t tmpfs none "$1" && exec "$2" -c "$3"'
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           mount_and_look, "sh", target, sys.executable, look],
+                          capture_output=True, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert int(done.stdout) >= 1
