@@ -181,10 +181,10 @@ class Attribution:
 def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> MemoryView:
     """Every container's GPU memory by the kernel's attribution of NVML's processes."""
     keys = registry.keys()
-    counters = {key: entry.region.waits_and_refusals(k) for key, (entry, k) in keys.items()}
-    slots = {key: entry.region.identities() for key, (entry, _k) in keys.items()}
-    gate_wait = {key: waited / 1e9 for key, (waited, _refused) in counters.items()}
-    refusals = {key: refused for key, (_waited, refused) in counters.items()}
+    figures = {key: entry.region.slot_figures(k) for key, (entry, k) in keys.items()}
+    slots = {key: found.identities for key, found in figures.items()}
+    gate_wait = {key: found.gate_wait_ns / 1e9 for key, found in figures.items()}
+    refusals = {key: found.oom_refusals for key, found in figures.items()}
     if nvml is None:
         return MemoryView(by_container={}, gate_wait=gate_wait, oom_refusals=refusals)
     by_pid, used = nvml.memory_by_pid()

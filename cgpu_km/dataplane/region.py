@@ -240,6 +240,20 @@ class Activity:
     gate_wait_ns: int
 
 
+@dataclass(frozen=True)
+class SlotFigures:
+    """The live slots of a region on one GPU, as a memory round reads them: the
+    nanoseconds their launches waited at the gate, their allocations refused
+    for memory (the figures `processes` sums), and who they are."""
+
+    gate_wait_ns: int = 0
+    oom_refusals: int = 0
+    identities: frozenset[tuple[int, int, int]] = frozenset()  # (pid namespace, pid, start)
+
+
+NO_SLOTS = SlotFigures()
+
+
 def region_dir() -> Path:
     """Where regions live: $CGPU_REGION_DIR, else /run/cgpu_km-regions."""
     return Path(os.environ.get(REGION_DIR_ENV) or DEFAULT_REGION_DIR)
@@ -670,13 +684,20 @@ class Region:
         slots = [self._account.proc[i] for i in self.live_slots()]
         return {(int(slot.pidns), int(slot.pid), int(slot.start_time)) for slot in slots}
 
-    def waits_and_refusals(self, k: int) -> tuple[int, int]:
-        """Nanoseconds the live slots' launches waited at GPU k's gate, and their
-        allocations refused for memory (the figures `processes` sums, read alone)."""
+    def slot_figures(self, k: int) -> SlotFigures:
+        """What a memory round reads of the live slots, in one pass (most regions,
+        most of the time, have none: then at once)."""
         self._gpu(k)
-        lines = [self.slot_gpu(i, k) for i in self.live_slots()]
-        return (sum(int(line.gate_wait_ns) for line in lines),
-                sum(int(line.oom_refusals) for line in lines))
+        live = self.live_slots()
+        if not live:
+            return NO_SLOTS
+        slots = [self._account.proc[i] for i in live]
+        lines = [slot.gpu[k] for slot in slots]
+        return SlotFigures(
+            gate_wait_ns=sum(int(line.gate_wait_ns) for line in lines),
+            oom_refusals=sum(int(line.oom_refusals) for line in lines),
+            identities=frozenset((int(slot.pidns), int(slot.pid), int(slot.start_time))
+                                 for slot in slots))
 
     def activity(self, k: int) -> Activity:
         """Launch counters of GPU k summed over live slots (compare between ticks)."""

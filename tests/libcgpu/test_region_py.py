@@ -234,12 +234,17 @@ def test_views_and_reclaim(tmp_path: Path) -> None:
             assert r.activity(0).launches == 9
             assert sorted(p.pid for p in r.processes()) == sorted([os.getpid(), *[sleeper.pid] * 2])
             assert r.identities() == {(p.pidns, p.pid, p.start_time) for p in r.processes()}
+            assert r.slot_figures(0).identities == r.identities()
             r._account.proc[1].gpu[0].gate_wait_ns, r._account.proc[1].gpu[0].oom_refusals = 7, 2
             r._account.proc[2].gpu[0].gate_wait_ns = 5
-            assert r.waits_and_refusals(0) == (12, 2), "as the views sum them"
+            figures = r.slot_figures(0)
+            assert (figures.gate_wait_ns, figures.oom_refusals) == (12, 2), (
+                "as the views sum them")
             assert r.reclaim(local_alive) == [sleeper.pid]  # the slot with the wrong start time
             assert r.usage(0) == 120
-            assert r.waits_and_refusals(0) == (7, 2), "a freed slot counts no more"
+            figures = r.slot_figures(0)
+            assert (figures.gate_wait_ns, figures.oom_refusals) == (7, 2), (
+                "a freed slot counts no more")
             sleeper.kill()
             sleeper.wait()
             assert r.reclaim(local_alive) == [sleeper.pid]
