@@ -60,6 +60,9 @@ IDLE_WAKE_NS = 1_000_000_000  # look again at least this often
 # dispatcher this often in one drain is looked at every DRAIN_POLL_NS instead.
 DRAIN_WAKES = 64
 DRAIN_POLL_NS = 5_000_000
+# Rings of a draining holder that one wait looks at (its slots only) before it
+# wakes the dispatcher all the same: one per process, for most containers.
+ANSWER_LOOKS = 8
 
 
 class GpuPort(Protocol):
@@ -78,12 +81,14 @@ class GpuPort(Protocol):
         """Tell every container that the daemon is alive."""
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
-             watch: IdleWatch | None = None) -> str | None:
+             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
         """Sleep until the deadline or until something rings (`quiet`: those
         whose ring would tell nothing new); the container whose ring woke it.
         With `watch`, also until its holder has neither launched nor waited for
         its grace (from the last observation on); the next `observe` says when
-        it was last seen active."""
+        it was last seen active. `answers_of`: a container whose drain answers
+        are awaited; its rings wake the caller only once all have come (or
+        after ANSWER_LOOKS of them)."""
 
     def kick(self) -> None:
         """Wake `wait` now (new configuration, new containers, stop)."""
@@ -205,16 +210,19 @@ class Dispatcher:
                 # they answered. Anyone else already seen waiting, or holding the
                 # GPU, tells nothing new by ringing (a hostile one may ring without end).
                 answering = set(late)
+                answers_of = None
                 if not draining or decision.holder is None:
                     drain_wakes = 0
                 elif drain_wakes < DRAIN_WAKES:
                     answering.add(decision.holder)
+                    answers_of = decision.holder
                 else:
                     deadline = min(deadline, now + DRAIN_POLL_NS)
                 quiet = {n for n, seen in self._observed.items()
                          if (seen.waiting or n == decision.holder) and n not in answering}
                 # Rounded up: a deadline a fraction of a nanosecond early is a step for nothing.
-                ringer = self.port.wait(math.ceil(deadline), quiet, decision.holder, watch)
+                ringer = self.port.wait(math.ceil(deadline), quiet, decision.holder, watch,
+                                        answers_of)
                 if draining and ringer is not None and ringer == decision.holder:
                     drain_wakes += 1
         except BaseException as error:  # logged; the daemon's watchdog notices the silence
@@ -309,14 +317,17 @@ class RegionPort:
             region.heartbeat(now_ns)
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
-             watch: IdleWatch | None = None) -> str | None:
+             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
         """Until the deadline, a kick, or a ring of a container that is not quiet
         and, unless it holds the GPU, has not rung more than RING_LIMIT times in
         the last second (those are looked at when the dispatcher wakes for
         another reason); the container whose ring woke it. With `watch`, also
         until its holder has been idle for its grace: looked at when the grace
         since its last activity has passed, and again a grace later while it
-        still launches or waits."""
+        still launches or waits. A ring of `answers_of` wakes the caller once
+        every process of it has answered the latest close (each ring is a look
+        at its slots, not a step over every container), or at its
+        ANSWER_LOOKS-th ring."""
         now = time.monotonic_ns()
         words = [(ctypes.addressof(self._kick), self._kick.value, False)]
         names: list[str | None] = [None]
@@ -330,6 +341,20 @@ class RegionPort:
             words.append((address, seen, True))
             names.append(name)
         woken = self._wait_watching(words, deadline_ns, watch)
+        with self._lock:
+            drainer = self._entries.get(answers_of) if answers_of is not None else None
+        looks = 1
+        while (drainer is not None and 0 <= woken < len(names) and names[woken] == answers_of
+               and looks < ANSWER_LOOKS):
+            region, k = drainer
+            # The ring after the answer: read the doorbell first, so that an answer
+            # that comes after the look is a ring the next wait sees.
+            rung = region.doorbell(k)
+            if self._answered(region, k):
+                break
+            words[woken] = (words[woken][0], rung, True)
+            woken = futex.wait_any(words, deadline_ns)
+            looks += 1
         ringer = names[woken] if 0 <= woken < len(names) else None
         if ringer is not None and ringer != holder:
             rings = self._rings.setdefault(ringer, collections.deque())
@@ -363,6 +388,17 @@ class RegionPort:
             launches = launches_now
             self._active_at[watch.holder] = now / 1e9
             look_at = now + grace_ns
+
+    @staticmethod
+    def _answered(region: Region, k: int) -> bool:
+        """Whether every watching process of the container answered GPU k's latest
+        close (as `observe` counts it)."""
+        close_seq = region.close_seq(k)
+        for slot in region.live_slots():
+            line = region.slot_gpu(slot, k)
+            if line.watching and line.drained_seq != close_seq:
+                return False
+        return True
 
     @staticmethod
     def _busy(region: Region, k: int, launches: int | None) -> tuple[bool, int]:

@@ -41,7 +41,7 @@ class SimulatedPort:
         self.beats.append(now_ns)
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
-             watch: IdleWatch | None = None) -> str | None:
+             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
         self.now = max(self.now + 1, deadline_ns)  # one already past returns at once
         self.wakes += 1
         if self.now >= self.end:

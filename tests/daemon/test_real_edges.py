@@ -201,6 +201,44 @@ def test_the_port_watches_a_busy_holder_without_returning(tmp_path: Path) -> Non
         assert port.observe()["a"].active_at is None, "said once, for the step after the wait"
 
 
+def test_the_port_wakes_its_dispatcher_once_every_drain_answer_came(tmp_path: Path) -> None:
+    """While a holder drains, each of its processes rings as it answers; only the
+    ring that completes the answers wakes the dispatcher (the others are a look
+    at the holder's slots, not a step over every container)."""
+    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
+                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
+    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+        port = RegionPort(0)
+        port.set_entries({"a": (a, 0)})
+        a.set_gate(0, True)
+        a.set_gate(0, False)  # a close: each watching process answers it
+        slots = [a._account.proc[i] for i in range(2)]
+        for pid, slot in enumerate(slots, start=1):
+            slot.state, slot.pid = region_mod.SLOT_LIVE, pid
+            slot.gpu[0].watching = 1
+        a._account.slots_used = 2
+        assert not port.observe()["a"].answered
+        woken: list[str | None] = []
+        waiter = threading.Thread(target=lambda: woken.append(
+            port.wait(int((time.monotonic() + 60) * 1e9), set(), "a", answers_of="a")))
+
+        def answer(slot: region_mod.ProcSlot) -> None:
+            slot.gpu[0].drained_seq = a.close_seq(0)
+            a._account.doorbell[0] += 1
+            futex.wake_all(a.doorbell_address(0))
+
+        waiter.start()
+        waiter.join(0.2)
+        answer(slots[0])
+        waiter.join(0.2)
+        assert waiter.is_alive(), "one answer of two: no step yet"
+        answer(slots[1])
+        waiter.join(30)  # a hang guard only
+        assert not waiter.is_alive(), "the last answer wakes the dispatcher"
+        assert woken == ["a"]
+        assert port.observe()["a"].answered
+
+
 @pytest.mark.parametrize("control_tree", [2], indirect=True)
 def test_fstree_reads_what_echo_wrote(control_tree: Path) -> None:
     treefs.inst_ctl(control_tree, "add 1 c memsize=4096 weight=3 util_limit=20")
