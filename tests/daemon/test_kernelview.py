@@ -58,6 +58,16 @@ def test_parsers_never_raise_on_odd_cgroup_files(text: str) -> None:
         assert isinstance(path, str)
 
 
+@given(st.binary(min_size=0, max_size=15).filter(lambda name: b"\0" not in name),
+       st.sampled_from("RSDZT"), st.integers(0, 2**63))
+def test_stat_is_parsed_whatever_the_process_is_named(name: bytes, state: str,
+                                                      start: int) -> None:
+    """The name in stat is raw: any bytes but NUL, parentheses and newlines too."""
+    tail = " ".join(["1"] * 18 + [str(start), "0"])
+    text = (b"42 (" + name + f") {state} {tail}\n".encode()).decode(errors="surrogateescape")
+    assert kernelview.parse_stat(text) == (state, start)
+
+
 def test_process_info_of_this_process() -> None:
     me = kernelview.process_info(os.getpid())
     assert me is not None
