@@ -46,6 +46,7 @@ TIERS = {
     "gpu_simulate": INTEGRATION,
     "hook": UNIT,
     "hook/test_claims.py": INTEGRATION,
+    "hook/test_inroot.py::test_a_mount_named_in_bytes_that_are_not_utf8_is_read": INTEGRATION,
     "hook/test_runc.py": INTEGRATION,
     "kmod": UNIT,
     "libcgpu": INTEGRATION,
