@@ -3,6 +3,7 @@ driven by a dispatcher thread, stopping a process, NVML's memory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import subprocess
@@ -21,7 +22,7 @@ from cgpu_km.daemon.core import Daemon
 from cgpu_km.dataplane import futex
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.dataplane.attribution import Nvml
-from cgpu_km.dataplane.dispatch import RegionPort
+from cgpu_km.dataplane.dispatch import ANSWER_LOOKS, RegionPort
 from cgpu_km.dataplane.plane import RegionPlane
 from cgpu_km.dataplane.stopping import stop_process
 from cgpu_km.sched import ContainerSpec, GpuConfig, IdleWatch, Policy
@@ -201,42 +202,76 @@ def test_the_port_watches_a_busy_holder_without_returning(tmp_path: Path) -> Non
         assert port.observe()["a"].active_at is None, "said once, for the step after the wait"
 
 
+FUTEX_WAITV = 449
+
+
+def parked(thread: threading.Thread) -> bool:
+    """Wait until `thread` sleeps in futex_waitv (as /proc shows it); False once
+    it has ended instead."""
+    syscall = Path(f"/proc/self/task/{thread.native_id}/syscall")
+    deadline = time.monotonic() + 30  # a hang guard only
+    while thread.is_alive():
+        with contextlib.suppress(OSError):
+            if syscall.read_text().split()[:1] == [str(FUTEX_WAITV)]:
+                return True
+        assert time.monotonic() < deadline, "the wait never went to sleep"
+        time.sleep(0.005)
+    return False
+
+
 def test_the_port_wakes_its_dispatcher_once_every_drain_answer_came(tmp_path: Path) -> None:
     """While a holder drains, each of its processes rings as it answers; only the
     ring that completes the answers wakes the dispatcher (the others are a look
-    at the holder's slots, not a step over every container)."""
+    at the holder's slots, not a step over every container). A holder that rings
+    without answering wakes it all the same, at the ANSWER_LOOKS-th ring of one
+    wait: it cannot keep it asleep."""
     region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
                              [region_mod.GpuSpec(0, "", 0, 0)]).close()
     with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
         port = RegionPort(0)
         port.set_entries({"a": (a, 0)})
-        a.set_gate(0, True)
-        a.set_gate(0, False)  # a close: each watching process answers it
         slots = [a._account.proc[i] for i in range(2)]
         for pid, slot in enumerate(slots, start=1):
             slot.state, slot.pid = region_mod.SLOT_LIVE, pid
             slot.gpu[0].watching = 1
         a._account.slots_used = 2
-        assert not port.observe()["a"].answered
         woken: list[str | None] = []
-        waiter = threading.Thread(target=lambda: woken.append(
-            port.wait(int((time.monotonic() + 60) * 1e9), set(), "a", answers_of="a")))
 
-        def answer(slot: region_mod.ProcSlot) -> None:
-            slot.gpu[0].drained_seq = a.close_seq(0)
+        def closed_and_waiting() -> threading.Thread:
+            a.set_gate(0, True)
+            a.set_gate(0, False)  # a close: each watching process answers it
+            assert not port.observe()["a"].answered
+            waiter = threading.Thread(target=lambda: woken.append(port.wait(
+                int((time.monotonic() + 60) * 1e9), set(), "a", answers_of="a")))
+            waiter.start()
+            return waiter
+
+        def ring(slot: region_mod.ProcSlot | None = None) -> None:
+            if slot is not None:
+                slot.gpu[0].drained_seq = a.close_seq(0)
             a._account.doorbell[0] += 1
             futex.wake_all(a.doorbell_address(0))
 
-        waiter.start()
-        waiter.join(0.2)
-        answer(slots[0])
-        waiter.join(0.2)
-        assert waiter.is_alive(), "one answer of two: no step yet"
-        answer(slots[1])
+        waiter = closed_and_waiting()
+        assert parked(waiter)
+        ring(slots[0])
+        assert parked(waiter), "one answer of two: no step yet"
+        ring(slots[1])
         waiter.join(30)  # a hang guard only
-        assert not waiter.is_alive(), "the last answer wakes the dispatcher"
-        assert woken == ["a"]
+        assert woken == ["a"], "the last answer wakes the dispatcher"
         assert port.observe()["a"].answered
+
+        waiter = closed_and_waiting()
+        rings = 0
+        while parked(waiter) and rings < 10 * ANSWER_LOOKS:
+            ring()
+            rings += 1
+        waiter.join(30)
+        assert not waiter.is_alive(), "woken by the rings, not by the deadline"
+        # Not at the first ring, either (unless a ring came between a look and
+        # the next wait, which wakes it at once: then no ringer is named).
+        assert rings >= ANSWER_LOOKS - 1 or woken[-1] is None
+        assert not port.observe()["a"].answered
 
 
 @pytest.mark.parametrize("control_tree", [2], indirect=True)
