@@ -211,7 +211,8 @@ def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> 
     # libcgpu claims a process's slot before it makes a context, so a slot
     # claimed after the first look but before NVML's is in a second look.
     for key in [key for key, pids in unmanaged.items() if pids]:
-        again = keys[key][0].region.identities()
+        entry, k = keys[key]
+        again = entry.region.slot_figures(k).identities
         unmanaged[key] = {pid for pid in unmanaged[key] if identity[pid] not in again}
     return MemoryView(
         by_container={key: ContainerMemory(procs[key], frozenset(unmanaged[key]))

@@ -679,11 +679,6 @@ class Region:
         self._gpu(k)
         return sum(int(self._account.proc[i].gpu[k].mem) for i in range(self._slots_used()))
 
-    def identities(self) -> set[tuple[int, int, int]]:
-        """(pid namespace, pid, start time) of every live slot's process."""
-        slots = [self._account.proc[i] for i in self.live_slots()]
-        return {(int(slot.pidns), int(slot.pid), int(slot.start_time)) for slot in slots}
-
     def slot_figures(self, k: int) -> SlotFigures:
         """What a memory round reads of the live slots, in one pass (most regions,
         most of the time, have none: then at once)."""

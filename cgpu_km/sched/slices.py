@@ -562,8 +562,6 @@ class SliceScheduler:
         others = {n for n in waiting - {holder}
                   if self._eligible(n) or (lend and self._rates[n][0] > 0
                                            and self._accounts[n].cap_credit >= 0)}
-        # Idle: it gives the GPU up as soon as someone else waits or drains; where
-        # unused time stays idle, at once (it would pay for time nobody used).
         idle = now - self._accounts[holder].last_active >= self.idle_grace
         preempted = not self._allot[holder].preempts and any(
             self._allot[n].preempts and self._eligible(n) for n in others)
@@ -573,7 +571,7 @@ class SliceScheduler:
         ended = now >= turn.slice_end
         if ended:  # charge the slice so far: is there credit for another?
             turn = replace(turn, paid_to=self._pay(turn, now))
-        if (preempted or (others and ended) or (idle and (others or self._late or not lend))
+        if (preempted or (others and ended) or (idle and self._idle_gives_up(bool(others)))
                 or (ended and not self._eligible(holder, slack=1e-9))):
             # Closed now: the answers in `observed` predate this close.
             self._state = Draining(holder, closed_at=now, paid_to=turn.paid_to,
@@ -586,7 +584,7 @@ class SliceScheduler:
                            slice_end=now + (self._slice_length(holder) if company else alone))
         self._state = turn
         idle_at = NEVER
-        if others or self._late or not lend:
+        if self._idle_gives_up(bool(others)):
             idle_at = self._accounts[holder].last_active + self.idle_grace
         return self._decision(frozenset({holder}), turn.slice_end, idle_at)
 
@@ -679,6 +677,12 @@ class SliceScheduler:
             acc.last_active = now
         self._state = IDLE
 
+    def _idle_gives_up(self, company: bool) -> bool:
+        """Whether a holder that goes idle gives the GPU up (so is watched for it):
+        when someone else waits (`company`) or drains; where unused time stays
+        idle (policies 0, 2, 3), always, or it would pay for time nobody used."""
+        return company or bool(self._late) or not self._config.policy.work_conserving
+
     def _overlaps_full(self) -> bool:
         """MAX_OVERLAP handover drains run: nobody more may wake into the GPU."""
         return sum(late.deadline is not None for late in self._late.values()) >= MAX_OVERLAP
@@ -734,8 +738,7 @@ class SliceScheduler:
                                   sharing=sharing)
             self._accounts[chosen].last_active = now
             idle_at = NEVER
-            if (len(waiting) > 1 or self._late  # when it may give the GPU up idle
-                    or not self._config.policy.work_conserving):
+            if self._idle_gives_up(len(waiting) > 1):
                 idle_at = now + self.idle_grace
             return self._decision(frozenset({chosen}), self._state.slice_end, idle_at)
         # Nobody may run now: wake when the first waiting one's credits allow.

@@ -233,8 +233,8 @@ def test_views_and_reclaim(tmp_path: Path) -> None:
             assert r.usage(0) == 123
             assert r.activity(0).launches == 9
             assert sorted(p.pid for p in r.processes()) == sorted([os.getpid(), *[sleeper.pid] * 2])
-            assert r.identities() == {(p.pidns, p.pid, p.start_time) for p in r.processes()}
-            assert r.slot_figures(0).identities == r.identities()
+            assert r.slot_figures(0).identities == {(p.pidns, p.pid, p.start_time)
+                                                    for p in r.processes()}
             r._account.proc[1].gpu[0].gate_wait_ns, r._account.proc[1].gpu[0].oom_refusals = 7, 2
             r._account.proc[2].gpu[0].gate_wait_ns = 5
             figures = r.slot_figures(0)
