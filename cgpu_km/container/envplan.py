@@ -371,14 +371,14 @@ def memsize_on(request: Request, gpu: GpuInfo, k: int, default_memsize: int = 0)
     """Bytes for the container's GPU k (`gpu`), checked against the device
     (`default_memsize`: the tree's, 0 for the whole device)."""
     variable = request.memory_variable
+    if gpu.memory_total <= 0:
+        raise PlanError(f"{variable}: GPU {gpu.index} reports no memory")
     if request.memory_kind == "default":
         share = min(default_memsize, gpu.memory_total) or gpu.memory_total
     elif request.memory_kind == "per_device":
         share = list_element(request.memory_values, k)
     elif request.memory_kind == "container":
         denominator = request.dev if request.dev is not None else -(-gpu.memory_total // GIB)
-        if denominator <= 0:
-            raise PlanError(f"{variable}: GPU {gpu.index} reports no memory")
         share = gpu.memory_total * list_element(request.memory_values, k) // denominator
     else:
         share = gpu.memory_total
