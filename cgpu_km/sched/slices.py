@@ -2,7 +2,8 @@
 
 One `SliceScheduler` per GPU. Under policies 0-4 one container's work runs
 on the GPU at a time: the scheduler grants a container the GPU (its gate
-opens) for a slice, then ends the slice (its gate closes) and waits until
+opens) for a slice of one quantum (a larger share takes more turns, not
+longer ones), then ends the slice (its gate closes) and waits until
 the container's processes say that the work they queued before the close
 has finished (their drain answers); only then is the next container
 granted. What a holder is charged is the time from its grant until its
@@ -34,8 +35,8 @@ eligible takes the GPU from its holder at once, instead of after the
 holder's slice and drain (so does one in which a process starts to launch
 or wait after such a rest of its own: `Observation.process_rest`); so does
 one that waits while it is owed OWED_QUANTA quanta more share credit than
-the holder of a slice, or the slice and a quantum when that is more (its
-processes take turns with their requests, so the container never rests).
+the holder of a slice (its processes take turns with their requests, so
+the container never rests).
 The holder's gate closes and it is late until it answers (not granted
 before, charged until then, cut at its drain limit as any holder); the
 driver time-slices the two meanwhile, and that shared span is paid half by
@@ -270,17 +271,19 @@ class _Account:
 
 NEVER = float("inf")
 NOTHING = Observation()  # what is seen of a container the observations leave out
-# The default quantum: the slice of the smallest share. Each switch costs the
-# holder its drain answer's way back, so the shorter the quantum the more that
-# costs (and the more unequal slices skew the ratios); the longer, the more a
-# short window's share swings (`python -m tests.bench --slice 0.01` shows both).
+# The default quantum: the slice of every share (a larger share takes more
+# turns, not longer ones: each turn costs its holder the same, the drain
+# answer's way back, so turns of one length cost every share the same
+# fraction of its GPU time). The shorter the quantum the more switching costs;
+# the longer, the more a short window's share swings (`python -m tests.bench
+# --slice 0.01` shows both).
 QUANTUM = 0.02
-MAX_QUANTA = 4.0  # the longest slice, in quanta
+MAX_QUANTA = 4.0  # a lone holder's slice below a whole share, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
 REST_QUANTA = 0.5  # how long a container must rest before it may wake into the GPU
-# ... or how much further behind in share credit than the holder it must be (at
-# least: between busy containers the gap grows by about the holder's slice in
-# one slice, so more where that is longer; their turns still end as slices do).
+# ... or how much further behind in share credit than the holder it must be
+# (between busy containers the gap grows by up to a slice in one slice: more
+# than that, so that their turns still end as slices do).
 OWED_QUANTA = 2.0
 # Handovers whose drains may overlap the holder at once (a chain of waking
 # containers: each earlier drainer pays in full once its successor's turn ends).
@@ -503,9 +506,8 @@ class SliceScheduler:
 
     def _owed(self, name: str, turn: Turn, now: float) -> bool:
         """Whether `name` is further behind its share than the holder of a slice
-        under way (a grant now would pick it), by OWED_QUANTA quanta of credit
-        (or the slice's length and a quantum, if more), counting what the
-        slice has cost the holder so far: a container whose
+        under way (a grant now would pick it), by OWED_QUANTA quanta of credit,
+        counting what the slice has cost the holder so far: a container whose
         processes overlap their requests never rests, yet its requests should
         not wait out a busy holder's slices. (A drain is waited for as before.)"""
         if not isinstance(turn, Holding):
@@ -515,10 +517,7 @@ class SliceScheduler:
         unpaid = now - turn.paid_to
         theirs = self._accounts[holder].credit - (unpaid / 2 if turn.sharing else unpaid)
         share, holder_share = self._rates[name][0], self._rates[holder][0]
-        # In one slice the gap between two busy containers grows by up to the
-        # slice's length: owed is further behind than that (longer slices are
-        # those of larger shares).
-        owed = max(self.quantum * OWED_QUANTA, self._slice_length(holder) + self.quantum)
+        owed = self.quantum * OWED_QUANTA
         return (mine >= theirs + owed and share > 0
                 and (holder_share <= 0 or mine / share > theirs / holder_share))
 
@@ -567,7 +566,7 @@ class SliceScheduler:
             self._allot[n].preempts and self._eligible(n) for n in others)
         if others:  # no longer alone: a slice for the company it has now
             turn = replace(turn, slice_end=min(turn.slice_end, turn.slice_start
-                                               + self._slice_length(holder)))
+                                               + self.quantum))
         ended = now >= turn.slice_end
         if ended:  # charge the slice so far: is there credit for another?
             turn = replace(turn, paid_to=self._pay(turn, now))
@@ -581,7 +580,7 @@ class SliceScheduler:
             company = self._active - {holder}
             alone = LONE_SLICE if self._rates[holder][0] >= 1 else self.quantum * MAX_QUANTA
             turn = replace(turn, slice_start=now,
-                           slice_end=now + (self._slice_length(holder) if company else alone))
+                           slice_end=now + (self.quantum if company else alone))
         self._state = turn
         idle_at = NEVER
         if self._idle_gives_up(bool(others)):
@@ -709,16 +708,6 @@ class SliceScheduler:
             for name in owed:
                 self._accounts[name].credit -= max(standing) * self._rates[name][0]
 
-    def _slice_length(self, name: str) -> float:
-        """A quantum for the smallest share among the active containers,
-        proportionally more (up to MAX_QUANTA) for larger ones: each switch
-        costs the same, so the fewer the better, and the smallest share sets
-        how fine it must be."""
-        shares = [self._rates[n][0] for n in self._active | {name} if self._rates[n][0] > 0]
-        smallest = min(shares, default=self._rates[name][0])
-        ratio = self._rates[name][0] / smallest if smallest > 0 else 1.0
-        return self.quantum * min(max(ratio, 1.0), MAX_QUANTA)
-
     def _grant(self, now: float, waiting: Set[str], among: Set[str] | None = None,
                sharing: str | None = None) -> SliceDecision:
         """Idle: the GPU to the most owed of `among` (by default: of those waiting),
@@ -734,7 +723,7 @@ class SliceScheduler:
             for name in waiting:  # passed over, or granted: none of them is waking now
                 self._accounts[name].rested = 0.0
             self._state = Holding(chosen, slice_start=now,
-                                  slice_end=now + self._slice_length(chosen), paid_to=now,
+                                  slice_end=now + self.quantum, paid_to=now,
                                   sharing=sharing)
             self._accounts[chosen].last_active = now
             idle_at = NEVER

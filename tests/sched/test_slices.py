@@ -39,11 +39,12 @@ def busy(*names: str, kernel: float = 0.001, depth: int = 2) -> list[Proc]:
 
 
 @pytest.mark.parametrize("policy", [2, 4])
-def test_busy_containers_with_long_slices_still_take_exclusive_turns(policy: int) -> None:
-    """Weights 5:5:1:1 give the two large containers slices of 4 quanta; while one
-    holds, the other falls that far behind in credit, which must not count as
-    owed (a handover): they would share the GPU, paid half each, and the one
-    with more processes would outrun the other (0.37 against 0.46 before)."""
+def test_busy_containers_of_large_shares_still_take_exclusive_turns(policy: int) -> None:
+    """Weights 5:5:1:1: while one large container holds, the other falls a
+    slice behind in credit, which must not count as owed (a handover): they
+    would share the GPU, paid half each, and the one with more processes would
+    outrun the other (0.37 against 0.46 when slices were longer for larger
+    shares)."""
     config = GpuConfig(policy=Policy(policy), max_inst=12, containers={
         "c0": ContainerSpec(5), "c1": ContainerSpec(5), "c2": ContainerSpec(1),
         "c3": ContainerSpec(1)})
@@ -108,6 +109,18 @@ def test_one_to_two_is_counted_in_kernels(kernel: float) -> None:
     got = fractions(config, busy("a", "b", kernel=kernel), 10.0)
     assert got["b"] / got["a"] == pytest.approx(2.0, rel=0.02), got
     assert sum(got.values()) >= 0.97, got
+
+
+@pytest.mark.parametrize("answer_delay", [0.001, 0.002])
+def test_one_to_two_holds_however_long_the_drain_answers_take(answer_delay: float) -> None:
+    """Each turn ends with its drain answer's way back, charged to the holder
+    and idle for the GPU: a cost per turn, so a larger share must not take
+    fewer turns (longer slices) than its share of them, or the smaller one
+    pays it more often for the same GPU time (2.04 and 2.06 before)."""
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(2)})
+    procs = busy(*["a", "b"] * 4)
+    got = fractions(config, procs, 6.0, answer_delay=answer_delay)
+    assert got["b"] / got["a"] == pytest.approx(2.0, rel=0.01), got
 
 
 def test_work_queued_past_a_slice_is_charged_to_its_owner() -> None:
