@@ -80,7 +80,8 @@ class ContainerMemory:
 
 @dataclass(frozen=True)
 class MemoryView:
-    """What the memory service measured at one instant."""
+    """What the memory service measured at one instant. A container that has
+    neither a live slot nor a process in NVML is in none of the maps."""
 
     by_container: Mapping[Key, ContainerMemory]
     used_by_gpu: Mapping[int, int] = field(default_factory=dict)
@@ -179,10 +180,13 @@ class Attribution:
 
 
 def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> MemoryView:
-    """Every container's GPU memory by the kernel's attribution of NVML's processes."""
+    """Every container's GPU memory by the kernel's attribution of NVML's processes.
+
+    Containers with no live slot and no process in NVML (most of them, most
+    of the time) are left out of every figure: a missing one reads as none."""
     keys = registry.keys()
-    figures = {key: entry.region.slot_figures(k) for key, (entry, k) in keys.items()}
-    slots = {key: found.identities for key, found in figures.items()}
+    figures = {key: found for key, (entry, k) in keys.items()
+               if (found := entry.region.slot_figures(k)) is not region_mod.NO_SLOTS}
     gate_wait = {key: found.gate_wait_ns / 1e9 for key, found in figures.items()}
     refusals = {key: found.oom_refusals for key, found in figures.items()}
     if nvml is None:
@@ -191,31 +195,31 @@ def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> 
     owners = kernelview.OwnerIndex(
         {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None},
         attribution.host, attribution.proc)
-    procs: dict[Key, dict[int, int]] = {key: {} for key in keys}
-    unmanaged: dict[Key, set[int]] = {key: set() for key in keys}
+    procs: dict[Key, dict[int, int]] = {key: {} for key in figures}
+    unmanaged: dict[Key, set[int]] = {}
     identity: dict[int, tuple[int, int, int]] = {}
     stray: dict[int, dict[int, int]] = {}
-    seen: dict[str, list[region_mod.Seen]] = {entry.name: [] for entry, _k in keys.values()}
+    seen: dict[str, list[region_mod.Seen]] = {}
     for (gpu, pid), size in sorted(by_pid.items()):
         info = attribution.info(pid)
         name = owners.find(info) if info is not None else None
         key = (gpu, name or "")
-        if name is None or key not in procs or info is None:
+        if name is None or key not in keys or info is None:
             stray.setdefault(gpu, {})[pid] = size
             continue
-        procs[key][pid] = size
+        procs.setdefault(key, {})[pid] = size
         identity[pid] = (info.pidns, info.inner_pid, info.start_time)
-        seen[name].append(region_mod.Seen(keys[key][1], *identity[pid], size))
-        if identity[pid] not in slots[key]:
-            unmanaged[key].add(pid)
+        seen.setdefault(name, []).append(region_mod.Seen(keys[key][1], *identity[pid], size))
+        if key not in figures or identity[pid] not in figures[key].identities:
+            unmanaged.setdefault(key, set()).add(pid)
     # libcgpu claims a process's slot before it makes a context, so a slot
     # claimed after the first look but before NVML's is in a second look.
-    for key in [key for key, pids in unmanaged.items() if pids]:
+    for key, pids in unmanaged.items():
         entry, k = keys[key]
         again = entry.region.slot_figures(k).identities
-        unmanaged[key] = {pid for pid in unmanaged[key] if identity[pid] not in again}
+        pids.difference_update({pid for pid in pids if identity[pid] in again})
     return MemoryView(
-        by_container={key: ContainerMemory(procs[key], frozenset(unmanaged[key]))
-                      for key in keys},
+        by_container={key: ContainerMemory(found, frozenset(unmanaged.get(key, ())))
+                      for key, found in procs.items()},
         used_by_gpu=used, stray=stray, gate_wait=gate_wait, oom_refusals=refusals,
         seen={name: tuple(found) for name, found in seen.items()})

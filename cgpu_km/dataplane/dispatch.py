@@ -243,8 +243,9 @@ class RegionPort:
         self._rung: dict[str, int] = {}  # doorbell values at the last observation
         self._kick = ctypes.c_uint32(0)
         self._lock = threading.Lock()
-        self._applied: tuple[frozenset[str], frozenset[str], int, frozenset[str]] = (
-            frozenset(), frozenset(), -1, frozenset())
+        # What `apply` last wrote into each container's region: the region, and
+        # (open, armed, queue_ns) in it.
+        self._written: dict[str, tuple[Region, tuple[bool, bool, int]]] = {}
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
         self._launches: dict[str, int] = {}  # at the last observation
@@ -304,13 +305,16 @@ class RegionPort:
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
               armed: frozenset[str] = frozenset()) -> None:
         entries = self.entries()
-        applied = (open_, frozenset(entries), queue_ns, armed)
-        if applied == self._applied:
-            return  # nothing changed since the last time (the common case)
+        written = self._written
+        if len(written) > len(entries):  # containers gone: forget them (and their maps)
+            written = self._written = {n: w for n, w in written.items() if n in entries}
         for name, (region, k) in entries.items():
+            want = (name in open_, name in armed, queue_ns)
+            if written.get(name) == (region, want):
+                continue  # most containers at most steps: only the holder's changes
             region.set_queue_ns(k, queue_ns)  # before a grant: the grantee starts tight
-            region.set_gate(k, name in open_, now_ns, armed=name in armed)
-        self._applied = applied
+            region.set_gate(k, want[0], now_ns, armed=want[1])
+            written[name] = (region, want)
 
     def heartbeat(self, now_ns: int) -> None:
         for region, _k in self.entries().values():
@@ -417,5 +421,6 @@ class RegionPort:
         futex.wake_private(ctypes.addressof(self._kick))
 
     def open_all(self) -> None:
+        self._written = {}
         for region, k in self.entries().values():
             region.set_gate(k, True)

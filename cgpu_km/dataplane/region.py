@@ -397,6 +397,11 @@ class Region:
         self._control = ControlLayout.from_buffer(control)
         self._account = AccountLayout.from_buffer(account)
         self._published: tuple[Seen, ...] | None = None  # the last publish_seen's list
+        # Read once: the daemon's dispatchers look at these for every container at
+        # every step. The GPU count is the daemon's (the container's mount of the
+        # control part is read-only); the doorbells stay where they are.
+        self._ngpus = int(self._control.ngpus)
+        self._doorbells = self._account.doorbell
 
     # -- lifecycle --
 
@@ -455,7 +460,7 @@ class Region:
     def close(self) -> None:
         """Unmap now, unless views into the mapping are still held: then the
         mapping goes when the last of them does."""
-        del self._control, self._account
+        del self._control, self._account, self._doorbells
         for mapping in (self._control_map, self._account_map):
             with contextlib.suppress(BufferError):
                 mapping.close()
@@ -492,7 +497,7 @@ class Region:
 
     @property
     def ngpus(self) -> int:
-        return int(self._control.ngpus)
+        return self._ngpus
 
     @property
     def gate_timeout_ns(self) -> int:
@@ -509,8 +514,8 @@ class Region:
     # -- per GPU --
 
     def _gpu(self, k: int) -> GpuEntry:
-        if not 0 <= k < self.ngpus:
-            raise RegionError(f"GPU {k} is not in region {self.path} ({self.ngpus} GPUs)")
+        if not 0 <= k < self._ngpus:
+            raise RegionError(f"GPU {k} is not in region {self.path} ({self._ngpus} GPUs)")
         return self._control.gpu[k]  # type: ignore[no-any-return]
 
     def gpu_spec(self, k: int) -> GpuSpec:
@@ -588,7 +593,7 @@ class Region:
         return ctypes.addressof(self._account) + AccountLayout.doorbell.offset + 4 * k
 
     def doorbell(self, k: int) -> int:
-        return int(self._account.doorbell[k])
+        return int(self._doorbells[k])
 
     # -- what the daemon saw --
 
@@ -596,9 +601,12 @@ class Region:
         """Publish what the container's processes hold as the kernel's view saw
         it (libcgpu admits an allocation only if this leaves room too, for
         SEEN_MAX_AGE_NS). Under the seqlock `seen_seq`; one writer (the
-        daemon's memory service)."""
+        daemon's memory service). Nothing again is not published again: libcgpu
+        reads an empty view without its time, so it never goes stale."""
         control = self._control
         valid = tuple(item for item in seen if 0 <= item.gpu < MAX_GPUS)
+        if not valid and self._published == ():
+            return
         control.seen_seq += 1  # odd: readers retry
         if valid != self._published:  # else only the time is new (most rounds)
             rest = [0] * MAX_GPUS

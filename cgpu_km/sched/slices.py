@@ -451,15 +451,19 @@ class SliceScheduler:
                 for n, seen in observed.items()}
 
     def _accrue(self, dt: float) -> None:
-        holder = self.holder
+        # Every container at every step: locals, and no calls (it is the dispatcher's
+        # hot loop).
+        holder, active, rates, burst = self.holder, self._active, self._rates, self.burst_window
         for name, acc in self._accounts.items():
-            share, cap = self._rates[name]
-            acc.credit += share * dt
-            acc.cap_credit += cap * dt
-            if name not in self._active and name != holder:
-                # idle: no banking beyond a short burst
-                acc.credit = min(acc.credit, share * self.burst_window)
-                acc.cap_credit = min(acc.cap_credit, cap * self.burst_window)
+            share, cap = rates[name]
+            credit = acc.credit + share * dt
+            cap_credit = acc.cap_credit + cap * dt
+            if name not in active and name != holder:  # idle: no banking beyond a burst
+                if credit > share * burst:
+                    credit = share * burst
+                if cap_credit > cap * burst:
+                    cap_credit = cap * burst
+            acc.credit, acc.cap_credit = credit, cap_credit
 
     def _hear_the_late(self, now: float, observed: Mapping[str, Observation]) -> None:
         """A late container that answered is charged up to now and is late no more; a
