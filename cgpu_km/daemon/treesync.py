@@ -24,7 +24,7 @@ import trio
 from cgpu_km.daemon.context import ContainerView, DaemonView, Limits, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Plane, Tree, Watcher
 from cgpu_km.sched import ContainerSpec, Policy
-from cgpu_km.tree.views import ContainerNodes, Key, QuickView
+from cgpu_km.tree.views import LOST, ContainerNodes, Key, QuickView
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -240,6 +240,9 @@ class TreeSync:
             await trio.lowlevel.wait_readable(watcher.fileno())
             changes = watcher.changes()
             try:
+                if LOST in changes:  # events were lost: any node may have been written
+                    await self.read_all()  # (which watches anew)
+                    continue
                 if any(c.name is None and c.node != "inst_ctl" for c in changes):
                     await self._poll()  # a GPU node or upgrade: rare, read them all
                 elif any(c.node == "inst_ctl" for c in changes):

@@ -48,3 +48,7 @@ class Change:
     gpu: int | None = None
     name: str | None = None
     node: str | None = None  # for the root: "inst_ctl" or "upgrade"
+
+
+# Changes were lost (the watcher's queue overflowed): any node may have been written.
+LOST = Change(node="lost")

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cgpu_km.tree.nodes import NODES_BY_LEVEL, Level
-from cgpu_km.tree.views import Change, GpuNodes
+from cgpu_km.tree.views import LOST, Change, GpuNodes
 
 _WRITABLE = {level: tuple(n.name for n in NODES_BY_LEVEL[level].values() if n.writable)
              for level in (Level.GPU, Level.CONTAINER)}  # what the watcher watches
@@ -121,7 +121,9 @@ class InotifyWatcher:
     def changes(self) -> list[Change]:
         found: list[Change] = []
         for wd, mask, _name in self._inotify.events():
-            if mask & IN_IGNORED:  # the file went (replaced): forget, sync re-adds
+            if mask & IN_Q_OVERFLOW:  # the kernel dropped events: say so, read it all
+                change: Change | None = LOST
+            elif mask & IN_IGNORED:  # the file went (replaced): forget, sync re-adds
                 change = self._by_wd.pop(wd, None)
                 self._by_path = {p: w for p, w in self._by_path.items() if w != wd}
             else:

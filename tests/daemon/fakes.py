@@ -3,11 +3,13 @@
 `MemoryTree` holds a tree in memory with the daemon-facing operations of
 `cgpu_km.daemon.edges.Tree`; `FakePlane` records what the daemon asks of the
 data plane (configurations, limits, stops) and returns the memory figures a
-test sets. Nothing here touches the system; trio's mock clock works.
+test sets; `FakeWatcher` stands for inotify (a pipe). Nothing here touches
+the system; trio's mock clock works.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping, Set
@@ -19,13 +21,41 @@ from cgpu_km.dataplane.attribution import ContainerMemory, MemoryView
 from cgpu_km.dataplane.dispatch import Figures
 from cgpu_km.sched import GpuConfig
 from cgpu_km.tree.client import ContainerView, GpuView
-from cgpu_km.tree.views import ContainerNodes, GpuNodes, Key, QuickView
+from cgpu_km.tree.views import Change, ContainerNodes, GpuNodes, Key, QuickView
 
 
 def answering_event() -> threading.Event:
     event = threading.Event()
     event.set()
     return event
+
+
+class FakeWatcher:
+    """A watcher a test speaks for: `say` queues changes and makes it readable."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        self._queued: list[Change] = []
+        self.syncs = 0
+
+    def say(self, *changes: Change) -> None:
+        self._queued.extend(changes)
+        os.write(self._write, b"!")
+
+    def fileno(self) -> int:
+        return self._read
+
+    def sync(self, gpus: Mapping[int, GpuNodes]) -> None:
+        self.syncs += 1
+
+    def changes(self) -> list[Change]:
+        os.read(self._read, 4096)
+        found, self._queued = self._queued, []
+        return found
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
 
 @dataclass
@@ -39,6 +69,7 @@ class MemoryTree:
     answering: threading.Event = field(default_factory=answering_event)
     meminfo_writes: list[tuple[int, str, dict[int, int]]] = field(default_factory=list)
     reads: int = 0
+    watching: FakeWatcher | None = None  # what `watcher` gives (None: no inotify)
 
     @classmethod
     def with_gpus(cls, count: int, policy: int = 1, max_inst: int = 16) -> MemoryTree:
@@ -99,8 +130,8 @@ class MemoryTree:
         self._check()
         self.upgrade = 0
 
-    def watcher(self) -> None:
-        return None
+    def watcher(self) -> FakeWatcher | None:
+        return self.watching
 
 
 

@@ -27,7 +27,8 @@ from cgpu_km.daemon.publishing import STATE_NAME
 from cgpu_km.daemon.sdnotify import Notifier
 from cgpu_km.dataplane.dispatch import Figures
 from cgpu_km.sched import ContainerSpec, Policy
-from tests.daemon.fakes import FakePlane, MemoryTree
+from cgpu_km.tree.views import LOST, Change
+from tests.daemon.fakes import FakePlane, FakeWatcher, MemoryTree
 
 T = TypeVar("T")
 PERIOD = 0.02
@@ -125,6 +126,28 @@ async def test_weight_change_and_new_container_are_picked_up(
         del tree.gpus[0].containers["c"]
         await trio.sleep(2 * PERIOD)
         assert "c" not in plane.configs[0].containers
+        nursery.cancel_scope.cancel()
+
+
+async def test_lost_watch_events_make_the_daemon_read_every_container(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A write the watcher did not name waits for the slow sweep; when the
+    watcher's queue overflowed (events lost), every container is read at once."""
+    tree, plane = two_containers(policy=4, weights=(1, 1)), FakePlane()
+    tree.watching = watcher = FakeWatcher()
+    settings = Settings(period=PERIOD, tree_refresh=60, full_refresh=600, memory_interval=0.1,
+                        publish_interval=0.5)
+    daemon, _ = make_daemon(tree, plane, tmp_path, settings=settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        tree.gpus[0].containers["b"].weight = 3  # written while events were being lost
+        watcher.say(Change(node="inst_ctl"))  # what still came: names only
+        await trio.sleep(1)
+        assert plane.configs[0].containers["b"].weight == 1
+        watcher.say(LOST)
+        await trio.sleep(2 * PERIOD)
+        assert plane.configs[0].containers["b"].weight == 3
         nursery.cancel_scope.cancel()
 
 

@@ -28,7 +28,7 @@ from cgpu_km.dataplane.stopping import stop_process
 from cgpu_km.sched import ContainerSpec, GpuConfig, IdleWatch, Policy
 from cgpu_km.tree import client as treefs
 from cgpu_km.tree.fstree import FsTree
-from cgpu_km.tree.views import CONTAINER_NODES, Change
+from cgpu_km.tree.views import CONTAINER_NODES, LOST, Change
 from cgpu_km.tree.watch import InotifyWatcher
 from tests.daemon.fakes import FakePlane
 
@@ -92,6 +92,27 @@ def test_watcher_names_what_was_written(control_tree: Path) -> None:
     finally:
         watcher.close()
 
+
+
+def test_watcher_says_so_when_the_kernel_dropped_events(tmp_path: Path) -> None:
+    """More writes than the inotify queue holds, none read: the kernel drops the
+    rest and queues an overflow, which the watcher reports as LOST (the daemon
+    then reads everything), not as nothing."""
+    for node in ("upgrade", "inst_ctl"):
+        (tmp_path / node).write_text("0\n")
+    watcher = InotifyWatcher(tmp_path)
+    queue = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    files = [os.open(tmp_path / node, os.O_WRONLY) for node in ("upgrade", "inst_ctl")]
+    try:
+        for i in range(queue + 2):  # alternating: the kernel merges only repeats
+            os.write(files[i % 2], b"0")
+        changes = watcher.changes()
+        assert LOST in changes
+        assert Change(node="upgrade") in changes  # what was queued before is kept
+    finally:
+        for fd in files:
+            os.close(fd)
+        watcher.close()
 
 
 def test_watcher_sees_a_write_into_a_replaced_file_before_it_syncs(plain_tree: Path) -> None:
