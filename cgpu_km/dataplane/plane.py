@@ -141,8 +141,10 @@ class RegionPlane:
 
     def reclaim(self) -> int:
         """Slots of processes the kernel does not run (in the container the slot
-        names) are freed: their pending launches and memory leave the container."""
-        entries = self.registry.all()
+        names) are freed: their pending launches and memory leave the container.
+        A slot claimed since the round looked was not asked about: it is alive
+        until the next round says otherwise."""
+        entries = [entry for entry in self.registry.all() if entry.region.live_slots()]
         views = {entry.name: entry.region.processes() for entry in entries}
         slots = {(view.pidns, view.pid, view.start_time)
                  for found in views.values() for view in found}
@@ -156,6 +158,8 @@ class RegionPlane:
 
             def alive(view: region_mod.ProcView, owner: kernelview.Owner | None = owner) -> bool:
                 key = (view.pidns, view.pid, view.start_time)
+                if key not in slots:
+                    return True  # claimed meanwhile: the next round asks the kernel
                 if key not in running:
                     return False
                 if owner is None:

@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is 
 MIB = 1 << 20
 
 
-def claim_slot(region_dir: Path, info: kernelview.ProcessInfo) -> None:
+def claim_slot(region_dir: Path, info: kernelview.ProcessInfo, index: int = 0) -> None:
     """Write a live slot for the process, as its libcgpu does before it makes a context."""
     fd = os.open(region_dir / region_mod.ACCOUNT_NAME, os.O_RDWR)
     try:
@@ -32,10 +32,10 @@ def claim_slot(region_dir: Path, info: kernelview.ProcessInfo) -> None:
     finally:
         os.close(fd)
     account = region_mod.AccountLayout.from_buffer(mapped)
-    slot = account.proc[0]
+    slot = account.proc[index]
     slot.pid, slot.pidns, slot.start_time = info.inner_pid, info.pidns, info.start_time
     slot.state = region_mod.SLOT_LIVE
-    account.slots_used = 1
+    account.slots_used = max(account.slots_used, index + 1)
     del slot, account
     mapped.close()
 
@@ -108,3 +108,28 @@ def test_the_plane_publishes_what_it_measured_in_the_region(
     with region_mod.Region.open(tmp_path / "c") as region:
         assert region.seen_rounds == 2
         assert region.seen() == [region_mod.Seen(0, info.pidns, 1, info.start_time, 64 * MIB)]
+
+
+def test_a_slot_claimed_while_the_daemon_reclaims_is_not_taken(
+    container: tuple[Registry, kernelview.ProcessInfo], tmp_path: Path
+) -> None:
+    """A reclaim round asks the kernel about the slots it saw, then frees those it
+    found gone: a slot claimed in between was never asked about, so it is left
+    for the next round (a process starting then lost its slot, and the memory
+    counted in it, before)."""
+    registry, info = container
+    claim_slot(tmp_path / "c", info)
+    newcomer = kernelview.process_info(os.getpid())
+    assert newcomer is not None
+
+    class ClaimingAttribution(Attribution):
+        def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
+            claim_slot(tmp_path / "c", newcomer, index=1)  # after the round's look
+            return super().running(slots)
+
+    plane = RegionPlane(tmp_path, nvml=None)
+    plane.registry = registry
+    plane.attribution = ClaimingAttribution()
+    assert plane.reclaim() == 0
+    with region_mod.Region.open(tmp_path / "c") as region:
+        assert sorted(view.slot for view in region.processes()) == [0, 1]
