@@ -119,8 +119,9 @@ def test_a_slot_claimed_while_the_daemon_reclaims_is_not_taken(
     counted in it, before)."""
     registry, info = container
     claim_slot(tmp_path / "c", info)
-    newcomer = kernelview.process_info(os.getpid())
-    assert newcomer is not None
+    found = kernelview.process_info(os.getpid())
+    assert found is not None
+    newcomer: kernelview.ProcessInfo = found  # narrowed for the class below
 
     class ClaimingAttribution(Attribution):
         def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
