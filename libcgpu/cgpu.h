@@ -14,7 +14,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <time.h>
 
 #include "region.h"
 
@@ -22,6 +21,10 @@
 #define CGPU_EXPORT __attribute__((visibility("default")))
 #define cgpu_likely(x) __builtin_expect(!!(x), 1)
 #define cgpu_unlikely(x) __builtin_expect(!!(x), 0)
+/* initial-exec: read with one instruction, not a __tls_get_addr call per
+ * launch (libcgpu is preloaded, so its TLS is in the static block; these few
+ * bytes fit the surplus glibc keeps even where it is loaded later). */
+#define CGPU_FAST_TLS __attribute__((tls_model("initial-exec")))
 
 /* ---- region.c ---- */
 
@@ -75,15 +78,59 @@ enum cgpu_pass cgpu_gate_wait(int g) CGPU_HIDDEN;
 /* A launch passed GPU g's armed gate: ring, once per arming. */
 void cgpu_armed_ring(int g) CGPU_HIDDEN;
 
-/* Launches of this process between passing a gate and the driver's return,
- * per container GPU: a drain (watch.c) waits for them to reach the driver. */
-extern uint32_t cgpu_launching[CGPU_MAX_GPUS] CGPU_HIDDEN;
+/* ---- launch.c ---- */
 
-static inline uint64_t cgpu_coarse_ns(void)
+/* A thread's launch between passing a gate and the driver's return: a drain
+ * (flight.c) waits for them to reach the driver. One cache line each,
+ * written by its thread only. */
+#define CGPU_LAUNCHERS 1024
+struct cgpu_launcher {
+    uint32_t gpu;   /* 1 + the container GPU of the launch in progress, or 0 */
+    uint32_t taken; /* a thread has it */
+} __attribute__((aligned(64)));
+
+extern struct cgpu_launcher cgpu_launchers[CGPU_LAUNCHERS] CGPU_HIDDEN;
+/* The word of threads that have none of their own: they count in cgpu_launching. */
+extern struct cgpu_launcher cgpu_launcher_shared CGPU_HIDDEN;
+extern __thread struct cgpu_launcher *cgpu_launcher_self CGPU_HIDDEN CGPU_FAST_TLS;
+extern uint32_t cgpu_launching[CGPU_MAX_GPUS] CGPU_HIDDEN;
+/* 1 until the drain's membarrier is registered: each launch fences itself. */
+extern int cgpu_launch_fence CGPU_HIDDEN;
+
+/* This thread's word, taken on its first launch (or cgpu_launcher_shared). */
+struct cgpu_launcher *cgpu_launcher_claim(void) CGPU_HIDDEN;
+/* Register the drain's barrier; before the watcher thread starts. */
+void cgpu_launch_barrier_register(void) CGPU_HIDDEN;
+/* Wait until every launch on GPU g that passed its gate has reached the driver. */
+void cgpu_launches_settle(int g) CGPU_HIDDEN;
+void cgpu_launch_after_fork(void) CGPU_HIDDEN;
+
+/* Say that this thread's launch on GPU g is past the gate; the caller then
+ * looks at the gate again (and calls cgpu_launching_end if it closed). */
+static inline void cgpu_launching_begin(int g)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    struct cgpu_launcher *me = cgpu_launcher_self;
+    if (cgpu_unlikely(me == NULL))
+        me = cgpu_launcher_claim();
+    if (cgpu_likely(me != &cgpu_launcher_shared)) {
+        __atomic_store_n(&me->gpu, (uint32_t)g + 1, __ATOMIC_RELAXED);
+        if (cgpu_unlikely(__atomic_load_n(&cgpu_launch_fence, __ATOMIC_RELAXED)))
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        else /* the drain's membarrier is the barrier: only the compiler's here */
+            __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    } else {
+        __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* The launch reached the driver (or went back to the gate). */
+static inline void cgpu_launching_end(int g)
+{
+    struct cgpu_launcher *me = cgpu_launcher_self;
+    if (cgpu_likely(me != &cgpu_launcher_shared))
+        __atomic_store_n(&me->gpu, 0, __ATOMIC_RELEASE);
+    else
+        __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_RELEASE);
 }
 
 /* ---- watch.c ---- */
@@ -94,12 +141,12 @@ extern uint32_t cgpu_watching[CGPU_MAX_GPUS] CGPU_HIDDEN;
 void cgpu_watch(int g) CGPU_HIDDEN;
 void cgpu_watch_after_fork(void) CGPU_HIDDEN;
 
-/* Enter a launch on GPU g: wait while its gate is closed, then count the
- * launch as in progress. The fast path is one load of the gate and one
- * atomic add (no clock: last_launch_ns is stamped with the in-flight
- * markers, flight.c); the gate is looked at again after the add, so that a drain
- * that starts after the close either sees this launch in progress or this
- * launch sees the gate closed (see cgpu_flight_drain). */
+/* Enter a launch on GPU g: wait while its gate is closed, then mark the
+ * launch in progress. The fast path is a load of the gate, two plain stores
+ * (the thread's word, the slot's launch count) and the gate's load again
+ * after the first, so that a drain that starts after the close either sees
+ * this launch in progress or this launch sees the gate closed (see
+ * cgpu_launches_settle). */
 static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
 {
     if (cgpu_unlikely(!__atomic_load_n(&cgpu_watching[g], __ATOMIC_RELAXED)))
@@ -107,36 +154,40 @@ static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
     int armed = 0;
     for (;;) {
         if (cgpu_likely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_ACQUIRE) == CGPU_GATE_OPEN)) {
-            __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            cgpu_launching_begin(g);
             if (cgpu_likely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_SEQ_CST) ==
                             CGPU_GATE_OPEN))
                 break;
-            __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            cgpu_launching_end(g);
         }
         enum cgpu_pass pass = cgpu_gate_wait(g);
         if (pass == CGPU_PASS_FAILED_OPEN) {
-            __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            cgpu_launching_begin(g);
             break;
         }
         if (pass == CGPU_PASS_ARMED) { /* as above: a drain sees it, or it sees the close */
-            __atomic_fetch_add(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            cgpu_launching_begin(g);
             if (__atomic_load_n(&r->gpu[g].gate, __ATOMIC_SEQ_CST) != CGPU_GATE_CLOSED) {
                 armed = 1;
                 break;
             }
-            __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_SEQ_CST);
+            cgpu_launching_end(g);
         }
     }
     struct cgpu_proc *s = cgpu_slot();
+    /* Not a locked add: the daemon only asks whether the count changed, and
+     * a count that two threads race on still changes. */
     if (cgpu_likely(s != NULL))
-        __atomic_fetch_add(&s->gpu[g].launches, 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->gpu[g].launches,
+                         __atomic_load_n(&s->gpu[g].launches, __ATOMIC_RELAXED) + 1,
+                         __ATOMIC_RELAXED);
     if (cgpu_unlikely(armed)) /* after the count: the daemon looks at it when woken */
         cgpu_armed_ring(g);
 }
 
 static inline void cgpu_launch_exit(int g)
 {
-    __atomic_fetch_sub(&cgpu_launching[g], 1, __ATOMIC_RELEASE);
+    cgpu_launching_end(g);
 }
 
 uint64_t cgpu_now_ns(void) CGPU_HIDDEN;

@@ -49,7 +49,6 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
-#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -122,12 +121,8 @@ static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static int env_bound = ENV_UNREAD;
 static struct queue queues[CGPU_MAX_GPUS];
 
-/* initial-exec: read with one instruction, not a __tls_get_addr call per
- * launch (libcgpu is preloaded, so its TLS is in the static block; these few
- * bytes fit the surplus glibc keeps even where it is loaded later). */
-#define FAST_TLS __attribute__((tls_model("initial-exec")))
-static __thread struct flight *cache[CACHE_WAYS] FAST_TLS;
-static __thread char thread_token FAST_TLS; /* its address names the thread */
+static __thread struct flight *cache[CACHE_WAYS] CGPU_FAST_TLS;
+static __thread char thread_token CGPU_FAST_TLS; /* its address names the thread */
 
 static int read_env_bound(void)
 {
@@ -541,9 +536,6 @@ void cgpu_flight_bound(struct flight *f, const struct cgpu_control *r, int g)
     uintptr_t owner = __atomic_load_n(&f->owner, __ATOMIC_RELAXED);
     if (owner != 0 && owner != (uintptr_t)&thread_token)
         return; /* the entry was retaken meanwhile */
-    struct cgpu_proc *me = cgpu_slot();
-    if (me != NULL) /* every few launches, not at each: a clock read costs */
-        __atomic_store_n(&me->gpu[g].last_launch_ns, cgpu_coarse_ns(), __ATOMIC_RELAXED);
     uint32_t bound = bound_of(r, g);
     if (bound == 0) { /* unbounded: no markers; the bound is read again later */
         pthread_mutex_lock(&f->lock);
@@ -584,8 +576,7 @@ static int has_work(const struct flight *f)
 uint64_t cgpu_flight_drain(int g)
 {
     /* Launches that passed the gate before it closed reach the driver first. */
-    while (__atomic_load_n(&cgpu_launching[g], __ATOMIC_SEQ_CST) != 0)
-        sched_yield();
+    cgpu_launches_settle(g);
     CUevent waits[FLIGHT_ENTRIES];
     unsigned nwaits = 0;
     CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;

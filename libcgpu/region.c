@@ -29,7 +29,6 @@ extern char **environ;
 const struct cgpu_control *cgpu_region_ptr;
 struct cgpu_account *cgpu_account_ptr;
 struct cgpu_proc *cgpu_slot_ptr;
-uint32_t cgpu_launching[CGPU_MAX_GPUS];
 
 static pthread_once_t region_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER; /* process-local */
@@ -156,7 +155,7 @@ static void slot_zero_usage(struct cgpu_proc *s)
         __atomic_store_n(&pg->pending, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&pg->contexts, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&pg->watching, 0, __ATOMIC_RELAXED);
-        pg->launches = pg->last_launch_ns = pg->gate_wait_ns = 0;
+        pg->launches = pg->reserved64 = pg->gate_wait_ns = 0;
         pg->allocs = pg->oom_refusals = pg->ctx_bytes = 0;
         pg->drained_seq = pg->drained_ns = 0;
     }
@@ -232,7 +231,7 @@ static void after_fork_child(void)
     memset(my_bytes, 0, sizeof my_bytes); /* the parent's memory is the parent's */
     my_pid = 0;
     my_start = 0;
-    memset(cgpu_launching, 0, sizeof cgpu_launching);
+    cgpu_launch_after_fork();
     cgpu_watch_after_fork();
     cgpu_track_after_fork();
     cgpu_hooks_after_fork();

@@ -71,6 +71,7 @@ static void start_watcher(void)
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 256 << 10);
     pthread_t thread;
+    cgpu_launch_barrier_register(); /* before the first drain */
     int rc = pthread_create(&thread, &attr, watcher_main, (void *)r);
     pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &old, NULL);

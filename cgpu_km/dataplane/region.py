@@ -134,7 +134,7 @@ class ProcGpu(ctypes.Structure):
         ("mem", ctypes.c_uint64),
         ("inflight", ctypes.c_uint64),
         ("launches", ctypes.c_uint64),
-        ("last_launch_ns", ctypes.c_uint64),
+        ("reserved64", ctypes.c_uint64),
         ("gate_wait_ns", ctypes.c_uint64),
         ("pending", ctypes.c_uint32),
         ("contexts", ctypes.c_uint32),
@@ -222,7 +222,6 @@ class ProcView:
     attach_ns: int
     mem: tuple[int, ...]
     launches: tuple[int, ...]
-    last_launch_ns: tuple[int, ...]
     pending: tuple[int, ...]
     gate_wait_ns: tuple[int, ...]
     contexts: tuple[int, ...]
@@ -235,7 +234,6 @@ class Activity:
     """Container-wide launch activity on one GPU, summed over live slots."""
 
     launches: int
-    last_launch_ns: int
     pending: int
     gate_wait_ns: int
 
@@ -658,7 +656,6 @@ class Region:
                 attach_ns=int(slot.attach_ns),
                 mem=tuple(int(p.mem) for p in per),
                 launches=tuple(int(p.launches) for p in per),
-                last_launch_ns=tuple(int(p.last_launch_ns) for p in per),
                 pending=tuple(int(p.pending) for p in per),
                 gate_wait_ns=tuple(int(p.gate_wait_ns) for p in per),
                 contexts=tuple(int(p.contexts) for p in per),
@@ -708,7 +705,6 @@ class Region:
         procs = self.processes()
         return Activity(
             launches=sum(p.launches[k] for p in procs),
-            last_launch_ns=max((p.last_launch_ns[k] for p in procs), default=0),
             pending=sum(p.pending[k] for p in procs),
             gate_wait_ns=sum(p.gate_wait_ns[k] for p in procs),
         )

@@ -35,10 +35,16 @@ EXPORT CUresult cuEventCreate(CUevent *e, unsigned int flags)
 }
 EXPORT CUresult cuEventRecord(CUevent e, CUstream s) { (void)e, (void)s; return CUDA_SUCCESS; }
 EXPORT CUresult cuEventSynchronize(CUevent e) { (void)e; return CUDA_SUCCESS; }
+EXPORT CUresult cuEventQuery(CUevent e) { (void)e; return CUDA_SUCCESS; }
 EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *status)
 {
     (void)s;
     *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
+{
+    (void)mode;
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuCtxSynchronize(void) { return CUDA_SUCCESS; }

@@ -116,9 +116,9 @@ class Sandbox:
         return subprocess.run(args, env=self.env(preload=preload, region=region),
                               capture_output=True, text=True, timeout=timeout)
 
-    def popen(self, args: list[str], *, preload: bool = True,
-              region: bool = True) -> subprocess.Popen[str]:
-        return subprocess.Popen(args, env=self.env(preload=preload, region=region),
+    def popen(self, args: list[str], *, preload: bool = True, region: bool = True,
+              **extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(args, env=self.env(preload=preload, region=region, **extra),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 

@@ -132,6 +132,51 @@ def test_a_closed_gate_drain_is_answered(sandbox: Sandbox, bound: int) -> None:
         assert drained_ms >= MANY * KERNEL_MS, drained_ms
 
 
+@pytest.mark.parametrize("barrier", ["membarrier", "fenced"])
+def test_a_drain_waits_for_a_launch_still_in_the_driver(sandbox: Sandbox, barrier: str) -> None:
+    """Two 300 ms kernels on one stream, with room for one in the driver's queue:
+    the second launch waits inside the driver until the first has run. The gate
+    closes meanwhile; the answer must wait for the second kernel too (the drain's
+    marker goes behind it), whether the drain's barrier is membarrier(2) or, where
+    a seccomp profile refuses that, each launch's own fence."""
+    kernel_ns = 300_000_000
+    region = region_mod.Region.create(sandbox.region_path, "ctr-test",
+                                      [region_mod.GpuSpec(0, UUID, 0, 0, max_inflight=0)],
+                                      gates_open=True)
+    sandbox.region = region
+    sandbox.start_heartbeat()
+    refuse = ["nomembarrier"] if barrier == "fenced" else []
+    proc = sandbox.popen([str(sandbox.built.workload), *refuse, "stamped", "2",
+                          f"sleep_{kernel_ns // 1000}", "sleep", "3000"],
+                         SIMGPU_QUEUE_DEPTH="1")
+    try:
+        # the second launch passed the gate (it is counted there): now it is on its way
+        while region.activity(0).launches < 2:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.002)
+        region.set_gate(0, False)
+        seq = region.close_seq(0)
+        deadline = time.monotonic() + 30  # a hang guard only
+        while True:
+            lines = [region.slot_gpu(slot, 0) for slot in region.live_slots()]
+            answered = [line.drained_ns for line in lines if line.drained_seq == seq]
+            if answered:
+                break
+            assert proc.poll() is None, "the process ended before it answered the close"
+            assert time.monotonic() < deadline, "the watcher never answered the close"
+            time.sleep(0.002)
+    finally:
+        region.set_gate(0, True)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out + err
+    assert ("membarrier refused" in out) == (barrier == "fenced"), out
+    returned = [int(line.split()[2]) for line in out.splitlines()
+                if line.startswith("returned ")]
+    assert len(returned) == 2, out
+    # drained behind the second kernel, which runs after its launch returned
+    assert answered[0] - returned[1] > kernel_ns // 2, (answered[0] - returned[1], out)
+
+
 def most_waiting(sandbox: Sandbox, *, managed: bool = True) -> int:
     """`sharework` with 16 streams of 5 ms kernels, 2 deep, on the fifo engine: the most
     kernels that were queued, not yet started, when one of its kernels was launched

@@ -101,13 +101,11 @@ def test_gate_blocks_and_releases(sandbox: Sandbox, path: str, name: str) -> Non
 def test_open_gate_counts_launches(sandbox: Sandbox) -> None:
     region = sandbox.make_region(1 << 30)
     sandbox.start_heartbeat()
-    before = time.monotonic_ns()
     result = sandbox.workload("launch", "25", "sleep_0", "launchex", "5", "sleep_0")
     assert result.returncode == 0, result.stderr
     activity = region.activity(0)
     assert activity.launches == 30
     assert activity.gate_wait_ns == 0
-    assert activity.last_launch_ns >= before - 10_000_000  # coarse clock
 
 
 @pytest.mark.parametrize("heartbeat", ["never", "stale"])

@@ -27,8 +27,15 @@
  *                             (a one-kernel graph launched COUNT times))
  *   churn ROUNDS             (per round a stream created, used and destroyed; every
  *                             tenth round a context too)
+ *   stamped COUNT NAME       (launch prints "returned K NS" as each launch returns,
+ *                             CLOCK_MONOTONIC, then a sync)
+ *   nomembarrier             (from here on membarrier(2) fails with EPERM, as under a
+ *                             seccomp profile that refuses it; prints "membarrier
+ *                             refused")
  */
 #define _GNU_SOURCE
+#include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +43,11 @@
 #include <unistd.h>
 
 #include <dlfcn.h>
+#include <linux/filter.h>
+#include <linux/membarrier.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 
 #include "cuda.h"
 #include "kernels.h"
@@ -282,6 +294,22 @@ static CUresult launch(const char *how, CUfunction f)
     return api.launchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
 }
 
+/* A seccomp filter under which membarrier(2) fails with EPERM: 0 once it does. */
+static int refuse_membarrier(void)
+{
+    struct sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_membarrier, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {sizeof code / sizeof code[0], code};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0)
+        return -1;
+    return syscall(__NR_membarrier, MEMBARRIER_CMD_QUERY, 0, 0) == -1 && errno == EPERM ? 0 : -1;
+}
+
 /* An event recorded behind the launch just made on WHERE's stream. */
 static CUresult mark(CUevent *event, const char *where, CUstream stream)
 {
@@ -509,6 +537,21 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS)
                 rc = api.ctxSynchronize();
             printf("%s %llu rc=%d\n", op, n, (int)rc);
+        } else if (strcmp(op, "stamped") == 0) {
+            unsigned long long n = arg_u64(argv, ++i, argc);
+            CUfunction f = function_named(argv[++i < argc ? i : argc - 1]);
+            rc = f ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+            for (unsigned long long k = 0; k < n && rc == CUDA_SUCCESS; k++) {
+                rc = launch("launch", f);
+                printf("returned %llu %llu\n", k, (unsigned long long)now_ns());
+            }
+            if (rc == CUDA_SUCCESS)
+                rc = api.ctxSynchronize();
+            printf("stamped %llu rc=%d\n", n, (int)rc);
+        } else if (strcmp(op, "nomembarrier") == 0) {
+            if (refuse_membarrier() != 0)
+                return 1;
+            printf("membarrier refused\n");
         } else if (strcmp(op, "graphprep") == 0) {
             CUgraph g;
             CUfunction f = function_named("sleep_0");
