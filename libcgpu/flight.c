@@ -149,9 +149,13 @@ static inline uint32_t bound_of(const struct cgpu_control *r, int g)
     return e >= 0 ? (uint32_t)e : __atomic_load_n(&r->gpu[g].max_inflight, __ATOMIC_RELAXED);
 }
 
-static inline uint32_t launches_per_marker(uint32_t bound)
+/* Launches between two markers of f with the bound n: a quarter of it, or
+ * half while none of its waits has blocked (the GPU keeps up with the stream,
+ * and a marker is only a cost); either way at most n - 1 are queued. */
+static inline uint32_t launches_per_marker(const struct flight *f, uint32_t n)
 {
-    return (bound + FLIGHT_SLOTS - 1) / FLIGHT_SLOTS;
+    uint32_t parts = f->per_launch_ns != 0 ? FLIGHT_SLOTS : 2;
+    return (n + parts - 1) / parts;
 }
 
 static inline int key_is(const struct flight *f, uintptr_t ctx, uintptr_t s, uintptr_t owner)
@@ -478,7 +482,7 @@ static void mark(struct flight *f, uint32_t bound, const struct cgpu_control *r,
     f->marked = total;
     if (f->per_launch_ns == 0 && f->probed < FLIGHT_PROBE_LAUNCHES)
         f->probed += since;
-    uint32_t n = effective_bound(f, bound), every = launches_per_marker(n);
+    uint32_t n = effective_bound(f, bound), every = launches_per_marker(f, n);
     uint32_t markers = (n + every - 1) / every - 1;
     if (markers < 1)
         markers = 1;
@@ -494,7 +498,7 @@ static void mark(struct flight *f, uint32_t bound, const struct cgpu_control *r,
             cgpu_flight_cu.exchange_capture_mode(&mode);
     }
     /* launches until the next marker, from what the waits measured */
-    __atomic_store_n(&f->next_mark, total + launches_per_marker(effective_bound(f, bound)),
+    __atomic_store_n(&f->next_mark, total + launches_per_marker(f, effective_bound(f, bound)),
                      __ATOMIC_RELAXED);
     pthread_mutex_unlock(&f->lock);
 }
