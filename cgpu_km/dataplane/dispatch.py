@@ -48,10 +48,11 @@ from cgpu_km.sched import (
 log = logging.getLogger("cgpu-daemon")
 
 HEARTBEAT_NS = 500_000_000  # gates fail open when the heartbeat is 2 s old
-# The heartbeat is stamped at any step this close to its time, before or after
-# (so at most 0.75 s apart, far from the 2 s): a lone holder's renewals (every
-# LONE_SLICE) carry it, and the dispatcher wakes for it alone only when no step
-# came by.
+# The heartbeat is stamped at any wake this close to its time, before or after
+# (so at most 0.75 s apart, far from the 2 s). A wake for the heartbeat alone
+# (nothing rang, nothing was configured, the scheduler's time has not come)
+# stamps it without a step: a lone holder's renewals (every LONE_SLICE) are
+# the only steps while nothing happens.
 BEAT_SLACK_NS = 250_000_000
 RING_LIMIT = 200  # rings a second a container may wake the dispatcher with ...
 MUTE_NS = 50_000_000  # ... before its rings are not waited on for this long
@@ -134,6 +135,7 @@ class Dispatcher:
         self._observed: Mapping[str, Observation] = {}
         self._steps = 0
         self._last_step = time.monotonic()
+        self._configured = False  # since the last step
         self.error: BaseException | None = None
 
     @property
@@ -145,6 +147,7 @@ class Dispatcher:
         with self._lock:
             if config != self._scheduler.config:
                 self._scheduler.configure(config)
+                self._configured = True
         self.port.kick()
 
     def restore(self, state: Mapping[str, object]) -> None:
@@ -177,6 +180,7 @@ class Dispatcher:
             self._decision = decision
             self._steps += 1
             self._last_step = time.monotonic()
+            self._configured = False
             late = self._scheduler.late
             native = self._scheduler.config.policy is Policy.NATIVE
         self.port.apply(decision.open, now,
@@ -193,16 +197,23 @@ class Dispatcher:
         """Until `stop`: step, beat, sleep; on the way out every gate opens."""
         next_beat = 0
         drain_wakes = 0  # by the holder's rings, in the drain under way
+        step_at = deadline = 0.0  # when the scheduler wants its next step; the wait's end
+        ringer: str | None = None
         try:
             while not self._stop.is_set():
-                decision = self.step()
                 now = self.clock()
+                with self._lock:
+                    configured = self._configured
+                # Woken early (a ring, a kick, an idle holder) or for the scheduler: a step.
+                if ringer is not None or configured or now < deadline or now >= step_at:
+                    decision = self.step()
+                    now = self.clock()
+                    watch = decision.idle_watch
+                    wake_at = watch.otherwise if watch is not None else decision.wake_at
+                    step_at = min(wake_at * 1e9, now + IDLE_WAKE_NS)
                 if now >= next_beat - BEAT_SLACK_NS:
                     self.port.heartbeat(now)
                     next_beat = now + HEARTBEAT_NS
-                watch = decision.idle_watch
-                wake_at = watch.otherwise if watch is not None else decision.wake_at
-                deadline = min(wake_at * 1e9, next_beat + BEAT_SLACK_NS, now + IDLE_WAKE_NS)
                 with self._lock:
                     late, draining = self._scheduler.late, self._scheduler.draining
                 # Rings that are answers: those of the holder while it drains (until
@@ -217,7 +228,8 @@ class Dispatcher:
                     answering.add(decision.holder)
                     answers_of = decision.holder
                 else:
-                    deadline = min(deadline, now + DRAIN_POLL_NS)
+                    step_at = min(step_at, now + DRAIN_POLL_NS)
+                deadline = min(step_at, next_beat + BEAT_SLACK_NS)
                 quiet = {n for n, seen in self._observed.items()
                          if (seen.waiting or n == decision.holder) and n not in answering}
                 # Rounded up: a deadline a fraction of a nanosecond early is a step for nothing.

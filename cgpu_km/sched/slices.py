@@ -289,8 +289,9 @@ OWED_QUANTA = 2.0
 # containers: each earlier drainer pays in full once its successor's turn ends).
 MAX_OVERLAP = 2
 # A holder alone with the whole GPU is looked at this often (a container that
-# starts waiting rings, and is looked at at once).
-LONE_SLICE = 0.5
+# starts waiting rings, and is looked at at once): the dispatcher's only steps
+# while nothing happens.
+LONE_SLICE = 1.0
 
 
 class SliceScheduler:

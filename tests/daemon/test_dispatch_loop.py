@@ -71,6 +71,9 @@ def test_the_heartbeat_stays_fresh_with_few_wakes(busy: set[str]) -> None:
     gaps = [b - a for a, b in zip(port.beats, port.beats[1:], strict=False)]
     assert max(gaps) <= 3 * SECOND // 4, "at most 0.75 s between two heartbeats"
     assert max(gaps) < GATES_FAIL_OPEN_NS
-    # About two wakes a second: a lone holder's renewals carry the heartbeat,
-    # which has no wake of its own in between (before, it had: four a second).
+    # Two wakes a second for the heartbeat, and of them one step: a lone
+    # holder's renewal, or the look an idle GPU takes every second (a wake for
+    # the heartbeat alone is not a step; before, each was: two a second).
     assert port.wakes <= 2 * 60 + 2, f"{port.wakes} wakes in 60 s"
+    steps = port.launches  # one observation per step
+    assert steps <= 60 + 2, f"{steps} steps in 60 s"
