@@ -4,8 +4,10 @@ The tree's rules live in `cgpu_km.tree.model.ControlTree`; this file only maps
 FUSE operations onto it.  Files are opened with `direct_io` and a snapshot
 of the content taken at open, so `cat` sees one consistent value; sizes are
 reported as 4096 (as sysfs does) so readers that trust `st_size` or use
-`sendfile` read the whole value; entry and attribute caching are off so a
-removed container is gone for the very next lookup.
+`sendfile` read the whole value; entry caching is off so a removed container
+is gone for the very next lookup. A node's attributes never change (its mode
+and size are fixed, its times the mount's), so they are cached, and FLUSH is
+refused once, so that a close is not a round trip of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import fuse
 from cgpu_km.tree.model import ControlTree, TreeError, add_tree_arguments, tree_from_arguments
 
 FILE_SIZE = 4096
+ATTR_TIMEOUT = 60.0  # seconds; attributes never change, and a lookup is never cached
 DIR_MODE = 0o555
 
 
@@ -90,6 +93,11 @@ class ControlTreeFS(fuse.Operations):  # type: ignore[misc]
         self._call(lambda: self._tree.write(path, data))
         return len(data)
 
+    def flush(self, path: str, fi: Any) -> int:
+        # ENOSYS tells the kernel not to send FLUSH again: a write's value is
+        # applied, and its error returned, by the write itself.
+        raise fuse.FuseOSError(errno.ENOSYS)
+
     def release(self, path: str, fi: Any) -> int:
         with self._mutex:
             self._snapshots.pop(fi.fh, None)
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.root, exist_ok=True)
     fuse.FUSE(
         ControlTreeFS(tree), args.root, raw_fi=True, foreground=True, allow_other=True,
-        default_permissions=True, attr_timeout=0, entry_timeout=0, negative_timeout=0,
+        default_permissions=True, attr_timeout=ATTR_TIMEOUT, entry_timeout=0,
+        negative_timeout=0,
         fsname="cgpu_km", subtype="cgpu_km",
     )
     return 0
