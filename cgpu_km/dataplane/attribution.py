@@ -107,13 +107,26 @@ class Attribution:
         self._known: dict[tuple[int, int, int], kernelview.ProcessInfo] = {}
 
     def info(self, pid: int) -> kernelview.ProcessInfo | None:
-        cached = self._info.get(pid)
+        """What the kernel says of host pid `pid` now (None: gone)."""
         fresh = kernelview.process_info(pid, self.proc)
-        if cached is None or fresh is None or fresh.start_time != cached.start_time:
-            self._info[pid] = fresh
-            if len(self._info) > 4096:
-                self._info.clear()
+        if len(self._info) > 4096:
+            self._info.clear()
+        self._info[pid] = fresh
         return fresh
+
+    def known_info(self, pid: int) -> kernelview.ProcessInfo | None:
+        """`info` as it was first read, while the stat of `pid` shows that process
+        still running (a host pid and a start time name one process, whose pid
+        namespace and pid in it never change, and its cgroups only within
+        what the container may move it in): the memory round looks at the same
+        processes twice a second and reads one file of each, not four."""
+        cached = self._info.get(pid)
+        if cached is not None:
+            state = kernelview.process_state(pid, self.proc)
+            if state is not None and state[1] == cached.start_time \
+                    and state[0] not in ("Z", "X"):
+                return cached
+        return self.info(pid)
 
     def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
         """Which of these (pid namespace, pid in it, start time) run now. Each is
@@ -201,7 +214,7 @@ def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> 
     stray: dict[int, dict[int, int]] = {}
     seen: dict[str, list[region_mod.Seen]] = {}
     for (gpu, pid), size in sorted(by_pid.items()):
-        info = attribution.info(pid)
+        info = attribution.known_info(pid)
         name = owners.find(info) if info is not None else None
         key = (gpu, name or "")
         if name is None or key not in keys or info is None:

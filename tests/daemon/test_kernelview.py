@@ -124,6 +124,42 @@ def test_running_knows_a_process_until_it_exits_and_never_its_pid_reused() -> No
         sleeper.wait()
 
 
+def fake_process(proc: Path, pid: int, start: int, uid: int, state: str = "S") -> None:
+    """A /proc/<pid> with the files `process_info` reads."""
+    base = proc / str(pid)
+    (base / "ns").mkdir(parents=True, exist_ok=True)
+    (base / "ns" / "pid").touch()
+    fields = [state, *["0"] * 18, str(start)]
+    (base / "stat").write_text(f"{pid} (worker) {' '.join(fields)}\n")
+    (base / "status").write_text(f"Name:\tworker\nNSpid:\t{pid}\nUid:\t{uid}\t{uid}\n"
+                                 f"Gid:\t0\t0\nCapBnd:\t0\n")
+    (base / "cgroup").write_text("0::/ctr\n")
+
+
+def test_known_info_reads_a_process_once_until_its_pid_names_another(tmp_path: Path) -> None:
+    """The memory round's look: the first read of a process is kept while its
+    stat shows the same start time (its status is not read again), read afresh
+    for a pid reused by a new process, and None once it is gone."""
+    fake_process(tmp_path, 1, start=1, uid=0)
+    (tmp_path / "self").symlink_to(tmp_path / "1")
+    fake_process(tmp_path, 4242, start=500, uid=1000)
+    attribution = Attribution(str(tmp_path))
+    first = attribution.known_info(4242)
+    assert first is not None
+    assert first.uid == 1000
+    fake_process(tmp_path, 4242, start=500, uid=2000)  # the status alone changed
+    assert attribution.known_info(4242) is first
+    fresh = attribution.info(4242)
+    assert fresh is not None
+    assert fresh.uid == 2000
+    fake_process(tmp_path, 4242, start=900, uid=3000)  # the pid names a new process
+    again = attribution.known_info(4242)
+    assert again is not None
+    assert (again.start_time, again.uid) == (900, 3000)
+    shutil.rmtree(tmp_path / "4242")
+    assert attribution.known_info(4242) is None
+
+
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
 def test_a_process_in_a_pid_namespace_and_its_children_belong_to_it() -> None:
     job = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--",
