@@ -3,6 +3,8 @@
  *
  * region.c  attaches the container's region, owns this process's slot and
  *           implements the limit check and the gate;
+ * launch.c  which threads are between a gate and the driver (a drain waits
+ *           for them);
  * watch.c   the watcher thread: answers the daemon's closes once this
  *           process's queued work has drained (flight.c waits for it);
  * track.c   remembers the size and GPU of every live allocation;
