@@ -278,9 +278,16 @@ def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
         cpu_of_daemon(0.1, "idle (24 registered, none busy)")
         busy = [Workload(name(gpu, 0), 5000, gpu=gpu, weight=1) for gpu in range(gpus)]
         periods = (0.1,) if quick else (0.1, 0.05, 0.02)
-        with started(host, busy, (8 + seconds + 2) * len(periods), delay=0.1):
+        with started(host, busy, (8 + seconds + 2) * (len(periods) + 1), delay=0.1):
             for period in periods:
                 cpu_of_daemon(period, "one busy per GPU")
+            # Where unused time stays idle, a holder is watched for going idle even
+            # when it is alone (every idle grace, 2 ms): the same layout, policy 2.
+            for gpu in range(gpus):
+                host.echo(f"{gpu}/policy", 2)
+            cpu_of_daemon(0.1, "one busy per GPU, policy 2")
+            for gpu in range(gpus):
+                host.echo(f"{gpu}/policy", 4)
         for gpu in range(gpus):  # a second busy container in place of an idle one
             host.stop(name(gpu, 1))
             host.wait_unregistered(name(gpu, 1), gpu)
