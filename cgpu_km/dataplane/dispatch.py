@@ -383,13 +383,16 @@ class RegionPort:
 
     def _wait_watching(self, words: list[tuple[int, int, bool]], deadline_ns: int,
                        watch: IdleWatch | None) -> int:
-        """`futex.wait_any`, and with `watch` a look at the holder at each grace."""
+        """`futex.wait_any`, and with `watch` a look at the holder once its grace
+        has passed, then, while it is busy, at twice the last gap each time, up
+        to the watch's patience."""
         with self._lock:
             entry = self._entries.get(watch.holder) if watch is not None else None
         if watch is None or entry is None:
             return futex.wait_any(words, deadline_ns)
         region, k = entry
         grace_ns = int(watch.grace * 1e9)
+        gap_ns, patience_ns = grace_ns, max(grace_ns, int(watch.patience * 1e9))
         launches = self._launches.get(watch.holder)
         look_at = int(watch.at * 1e9)
         while True:
@@ -403,7 +406,8 @@ class RegionPort:
                 return -1  # idle for its grace: the scheduler hands the GPU on
             launches = launches_now
             self._active_at[watch.holder] = now / 1e9
-            look_at = now + grace_ns
+            look_at = now + gap_ns
+            gap_ns = min(2 * gap_ns, patience_ns)  # busy again: look again later
 
     @staticmethod
     def _answered(region: Region, k: int) -> bool:

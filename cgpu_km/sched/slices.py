@@ -177,12 +177,17 @@ class IdleWatch:
     idle (neither launched nor waited for `grace`). A caller that watches the
     holder itself may step at `otherwise` instead, or as soon as the holder
     has been idle for `grace`, and then say when it saw it active last
-    (`Observation.active_at`): the same decisions with fewer steps."""
+    (`Observation.active_at`): the same decisions with fewer steps. While the
+    holder stays busy the caller may look at it less and less often, up to
+    every `patience` (a holder nobody waits for: a quantum; it is then
+    charged up to that much idle time once it stops, and a container that
+    starts waiting rings, which makes a step and a watch of `grace`)."""
 
     holder: str
     at: float
     grace: float
     otherwise: float
+    patience: float = 0.0  # at most `grace` between looks when not above it
 
 
 @dataclass(frozen=True)
@@ -590,7 +595,8 @@ class SliceScheduler:
         idle_at = NEVER
         if self._idle_gives_up(bool(others)):
             idle_at = self._accounts[holder].last_active + self.idle_grace
-        return self._decision(frozenset({holder}), turn.slice_end, idle_at)
+        return self._decision(frozenset({holder}), turn.slice_end, idle_at,
+                              lone=not others and not self._late)
 
     def _draining(self, turn: Draining, now: float, observed: Mapping[str, Observation],
                   waiting: set[str]) -> SliceDecision:
@@ -734,7 +740,8 @@ class SliceScheduler:
             idle_at = NEVER
             if self._idle_gives_up(len(waiting) > 1):
                 idle_at = now + self.idle_grace
-            return self._decision(frozenset({chosen}), self._state.slice_end, idle_at)
+            return self._decision(frozenset({chosen}), self._state.slice_end, idle_at,
+                                  lone=len(waiting) <= 1 and not self._late)
         # Nobody may run now: wake when the first waiting one's credits allow.
         wake_at = NEVER
         for name in waiting:
@@ -749,9 +756,10 @@ class SliceScheduler:
         return self._decision(frozenset(), wake_at)
 
     def _decision(self, open_: frozenset[str], wake_at: float,
-                  idle_at: float = NEVER) -> SliceDecision:
+                  idle_at: float = NEVER, *, lone: bool = False) -> SliceDecision:
         """The decision to step again at `wake_at` at the latest, and at `idle_at`
-        if only to see whether the holder went idle (`IdleWatch`)."""
+        if only to see whether the holder went idle (`IdleWatch`; `lone`: nobody
+        else waits for the GPU, so the watch may be patient)."""
         deadlines = (late.deadline for late in self._late.values() if late.deadline is not None)
         wake_at = min((wake_at, *deadlines))  # when a handover's drain is cut
         armed, rested_at = self._arm(open_)
@@ -760,7 +768,8 @@ class SliceScheduler:
         holder = self.holder
         watch = None
         if idle_at < wake_at and holder is not None:
-            watch = IdleWatch(holder, at=idle_at, grace=self.idle_grace, otherwise=wake_at)
+            watch = IdleWatch(holder, at=idle_at, grace=self.idle_grace, otherwise=wake_at,
+                              patience=self.quantum if lone else self.idle_grace)
         return SliceDecision(open=open_, holder=holder, wake_at=min(wake_at, idle_at),
                              shares=dict(self._shares), armed=armed, idle_watch=watch)
 

@@ -223,6 +223,49 @@ def test_the_port_watches_a_busy_holder_without_returning(tmp_path: Path) -> Non
         assert port.observe()["a"].active_at is None, "said once, for the step after the wait"
 
 
+
+def test_a_patient_watch_looks_at_a_busy_holder_less_and_less_often(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder that launches all the time, watched for 0.4 s with a grace of
+    2 ms and a patience of 40 ms: looked at twice the last gap each time (2, 4,
+    ... 32, then 40 ms), at most 15 looks, where a look at every grace would be
+    about 200."""
+    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
+                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
+    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+        port = RegionPort(0)
+        port.set_entries({"a": (a, 0)})
+        slot = a._account.proc[0]
+        slot.state, slot.pid, a._account.slots_used = region_mod.SLOT_LIVE, 1, 1
+        looks = []
+        busy = RegionPort._busy
+
+        def counted(region: region_mod.Region, k: int, launches: int | None
+                    ) -> tuple[bool, int]:
+            looks.append(time.monotonic())
+            return busy(region, k, launches)
+
+        monkeypatch.setattr(RegionPort, "_busy", staticmethod(counted))
+        stop = threading.Event()
+
+        def launch() -> None:
+            while not stop.is_set():
+                slot.gpu[0].launches += 1
+                time.sleep(0.0005)
+
+        launcher = threading.Thread(target=launch)
+        launcher.start()
+        try:
+            now = time.monotonic()
+            watch = IdleWatch("a", at=now + 0.002, grace=0.002, otherwise=now + 0.4,
+                              patience=0.04)
+            assert port.wait(int((now + 0.4) * 1e9), {"a"}, "a", watch) is None
+        finally:
+            stop.set()
+            launcher.join()
+    assert 1 <= len(looks) <= 15, len(looks)
+
+
 FUTEX_WAITV = 449
 
 

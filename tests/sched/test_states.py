@@ -255,6 +255,7 @@ def test_a_holder_with_company_is_watched_for_idleness() -> None:
     assert watch is not None
     assert watch.holder == "y"
     assert (watch.at, watch.grace, watch.otherwise) == pytest.approx((0.002, 0.002, 0.02))
+    assert watch.patience == pytest.approx(0.002), "x waits: a look every grace"
     assert granted.wake_at == pytest.approx(0.002)
     alone = scheduler("a").step(0.0, {"a": WAITING})
     assert alone.idle_watch is None, "nobody else wants the GPU: idleness changes nothing"
@@ -269,6 +270,8 @@ def test_where_unused_time_stays_idle_a_lone_idle_holder_gives_the_gpu_up(
     granted = s.step(0.0, {"a": WAITING})
     assert granted.idle_watch is not None, "watched alone too"
     assert granted.idle_watch.at == pytest.approx(0.002)
+    # nobody else waits: while a stays busy its watch may look up to a quantum apart
+    assert granted.idle_watch.patience == pytest.approx(0.02)
     s.step(0.001, {"a": busy(2)})
     s.step(0.003, {"a": Observation(launches=2)})
     assert state(s) == Draining("a", closed_at=0.003, paid_to=0.0)
