@@ -121,11 +121,8 @@ class Attribution:
         what the container may move it in): the memory round looks at the same
         processes twice a second and reads one file of each, not four."""
         cached = self._info.get(pid)
-        if cached is not None:
-            state = kernelview.process_state(pid, self.proc)
-            if state is not None and state[1] == cached.start_time \
-                    and state[0] not in ("Z", "X"):
-                return cached
+        if cached is not None and kernelview.still_runs(cached, self.proc):
+            return cached
         return self.info(pid)
 
     def running(self, slots: Set[tuple[int, int, int]]) -> set[tuple[int, int, int]]:
@@ -139,13 +136,10 @@ class Attribution:
         for key in slots:
             host_pid = self._host_pids.get(key)
             known = self._known.get(key)
-            if host_pid and known is not None:
-                state = kernelview.process_state(host_pid, self.proc)
-                if state is not None and state[1] == known.start_time \
-                        and state[0] not in ("Z", "X"):
-                    found.add(key)
-                    running[host_pid] = known
-                    continue
+            if host_pid and known is not None and kernelview.still_runs(known, self.proc):
+                found.add(key)
+                running[host_pid] = known
+                continue
             info = kernelview.process_info(host_pid, self.proc) if host_pid else None
             if info is not None and (info.pidns, info.inner_pid, info.start_time) == key \
                     and info.state not in ("Z", "X"):

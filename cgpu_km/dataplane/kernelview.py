@@ -114,6 +114,13 @@ def process_state(pid: int, proc: str = PROC) -> tuple[str, int] | None:
         return None
 
 
+def still_runs(info: ProcessInfo, proc: str = PROC) -> bool:
+    """Whether the process `info` was read of runs yet, by its stat alone: its
+    host pid names a process of the same start time, not a zombie."""
+    state = process_state(info.pid, proc)
+    return state is not None and state[1] == info.start_time and state[0] not in ("Z", "X")
+
+
 def process_info(pid: int, proc: str = PROC) -> ProcessInfo | None:
     """What the kernel says of a process, or None when it is gone."""
     base = f"{proc}/{pid}"
