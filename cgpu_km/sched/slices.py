@@ -27,7 +27,8 @@ nobody else waits and its credit allows. An idle holder (it neither launched
 nor waited for the idle grace) gives the GPU up once another container waits;
 under policies 0, 2 and 3, where unused time stays idle, at once, alone too:
 else it would pay for time nobody used, and containers whose requests leave
-the GPU idle between them would fall behind their shares.
+the GPU idle between them would fall behind their shares (not a holder whose
+share is the whole GPU: nobody else may use it, its idle time is its own).
 
 Handovers, for latency: a container that starts waiting after a rest (it
 had neither launched, waited nor held the GPU for half a quantum) and is
@@ -580,7 +581,8 @@ class SliceScheduler:
         ended = now >= turn.slice_end
         if ended:  # charge the slice so far: is there credit for another?
             turn = replace(turn, paid_to=self._pay(turn, now))
-        if (preempted or (others and ended) or (idle and self._idle_gives_up(bool(others)))
+        gives_up = idle and self._idle_gives_up(holder, bool(others))
+        if (preempted or (others and ended) or gives_up
                 or (ended and not self._eligible(holder, slack=1e-9))):
             # Closed now: the answers in `observed` predate this close.
             self._state = Draining(holder, closed_at=now, paid_to=turn.paid_to,
@@ -593,7 +595,7 @@ class SliceScheduler:
                            slice_end=now + (self.quantum if company else alone))
         self._state = turn
         idle_at = NEVER
-        if self._idle_gives_up(bool(others)):
+        if self._idle_gives_up(holder, bool(others)):
             idle_at = self._accounts[holder].last_active + self.idle_grace
         return self._decision(frozenset({holder}), turn.slice_end, idle_at,
                               lone=not others and not self._late)
@@ -687,11 +689,15 @@ class SliceScheduler:
             acc.last_active = now
         self._state = IDLE
 
-    def _idle_gives_up(self, company: bool) -> bool:
-        """Whether a holder that goes idle gives the GPU up (so is watched for it):
-        when someone else waits (`company`) or drains; where unused time stays
-        idle (policies 0, 2, 3), always, or it would pay for time nobody used."""
-        return company or bool(self._late) or not self._config.policy.work_conserving
+    def _idle_gives_up(self, holder: str, company: bool) -> bool:
+        """Whether `holder`, if it goes idle, gives the GPU up (so is watched for
+        it): when someone else waits (`company`) or drains; where unused time
+        stays idle (policies 0, 2, 3), alone too, or it would pay for time
+        nobody used. Not alone with a share of the whole GPU: nobody else may
+        use it then, so its idle time is nobody's loss, as where it is lent."""
+        if company or self._late:
+            return True
+        return not (self._config.policy.work_conserving or self._rates[holder][0] >= 1)
 
     def _overlaps_full(self) -> bool:
         """MAX_OVERLAP handover drains run: nobody more may wake into the GPU."""
@@ -738,7 +744,7 @@ class SliceScheduler:
                                   sharing=sharing)
             self._accounts[chosen].last_active = now
             idle_at = NEVER
-            if self._idle_gives_up(len(waiting) > 1):
+            if self._idle_gives_up(chosen, len(waiting) > 1):
                 idle_at = now + self.idle_grace
             return self._decision(frozenset({chosen}), self._state.slice_end, idle_at,
                                   lone=len(waiting) <= 1 and not self._late)

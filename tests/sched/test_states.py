@@ -281,6 +281,31 @@ def test_where_unused_time_stays_idle_a_lone_idle_holder_gives_the_gpu_up(
     assert "a" not in decision.armed, "it has not rested: its next launch rings"
 
 
+@pytest.mark.parametrize("policy", [Policy.FAIR_SHARE, Policy.WEIGHTED, Policy.FIXED])
+def test_a_lone_holder_with_the_whole_gpu_is_not_watched(policy: Policy) -> None:
+    """Its share is the whole GPU (the other container has weight 0; max_inst
+    1 under 0 and 3): nobody else may use the GPU, so its idle time is nobody's
+    loss and it keeps the GPU, as where idle time is lent; once its share is
+    less, its idleness gives the GPU up again."""
+    config = GpuConfig(policy=policy, max_inst=1,
+                       containers={"a": W(1), "b": W(0), "c": W(0)})
+    s = SliceScheduler(config, quantum=0.02, drain_timeout=0.1, idle_grace=0.002)
+    granted = s.step(0.0, {"a": WAITING})
+    assert granted.idle_watch is None
+    assert granted.wake_at == pytest.approx(0.02), "the first slice: a quantum"
+    s.step(0.001, {"a": busy(2)})
+    s.step(0.01, {"a": Observation(launches=2)})
+    assert isinstance(state(s), Holding), "idle, alone, with the whole GPU"
+    renewed = s.step(0.02, {"a": Observation(launches=2)})
+    assert (renewed.holder, renewed.idle_watch) == ("a", None)
+    assert renewed.wake_at == pytest.approx(0.02 + LONE_SLICE)
+    s.configure(GpuConfig(policy=policy, max_inst=2,
+                          containers={"a": W(1), "b": W(1), "c": W(0)}))
+    halved = s.step(0.021, {"a": Observation(launches=2)})
+    assert halved.open == frozenset()
+    assert state(s) == Draining("a", closed_at=0.021, paid_to=0.02), "half the GPU: idle"
+
+
 @pytest.mark.parametrize("policy", [Policy.PREEMPTIVE, Policy.SOFT])
 def test_where_idle_time_is_lent_a_lone_idle_holder_keeps_the_gpu(policy: Policy) -> None:
     s = scheduler("a", "b", policy=policy, idle_grace=0.002)
