@@ -133,6 +133,15 @@ class Summary:
         errors = [ratio_error(a, b, self.target) for a, b in self.windows]
         return max(errors, key=abs, default=math.nan)
 
+    @property
+    def worst_window_points(self) -> float:
+        """The window farthest from the target in the first container's share of
+        the two, in percentage points, with its sign (a window where neither
+        completed anything is left out)."""
+        fair = 100 / (1 + self.target)
+        points = [100 * a / (a + b) - fair for a, b in self.windows if a + b > 0]
+        return max(points, key=abs, default=math.nan)
+
     def rates(self) -> tuple[float, float]:
         """Kernels per second of each over the whole run."""
         return (self.whole[0] / self.seconds, self.whole[1] / self.seconds)

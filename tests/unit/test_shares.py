@@ -128,3 +128,5 @@ def test_worst_window_keeps_its_sign() -> None:
     second = report((2,) * 150 + (1,) * 10 + (2,) * 140)
     s = summarize(first, second, 3.0, target=2.0)
     assert s.worst_window_error == pytest.approx(-0.05)
+    # that window: 100 of 290 kernels against a third
+    assert s.worst_window_points == pytest.approx(100 * 100 / 290 - 100 / 3)
