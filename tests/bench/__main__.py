@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.bench import deadlines, latency, libcgpu_bench
@@ -96,9 +96,7 @@ class Engine:
         self.host.echo("0/max_inst", max_inst)
         self.host.echo("0/policy", policy)
         self.runs += 1
-        named = [replace(w, name=f"{w.name}-{self.runs}") for w in workloads]
-        reports = measure(self.host, named, self.seconds)
-        return {w.name: reports[n.name] for w, n in zip(workloads, named, strict=True)}
+        return measure(self.host, workloads, self.seconds, suffix=f"-{self.runs}")
 
     def solo_rate(self, us: int) -> float:
         if us not in self.solo:
@@ -208,12 +206,9 @@ def latency_table(base: Path, root: Path, quick: bool, slice_s: float | None) ->
     host = SimHost(base / "latency", root, gpus=8, env={"SIMGPU_SCHED": None})
     engine = Engine(host, seconds=seconds)
     slice_note = "default slice" if slice_s is None else f"slice {slice_s * 1000:g} ms"
-    print(f"Latency: an interactive container sends a request of 2 x 1 ms kernels every "
-          f"{latency.REQUEST_MS} ms, each timed from its first launch to the end of its "
-          f"synchronize; {seconds:g} s per case, default engine, daemon period "
+    print(f"Latency: {latency.ABOUT}; {seconds:g} s per case, default engine, daemon period "
           f"{PERIOD * 1000:g} ms, {slice_note}. none = policy 5 (every gate open: simgpu's "
-          f"time slicing); x = against none; int/nbrs = GPU time completed by the "
-          f"interactive containers / the neighbours")
+          f"time slicing); {latency.LEGEND}")
     print_head(latency.HEAD)
     worst = 0.0
     try:

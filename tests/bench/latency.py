@@ -24,6 +24,10 @@ BUSY = Workload("busy", 1000, depth=4)  # 1 ms kernels, 4 per synchronize
 COLUMNS: tuple[tuple[str, int], ...] = (
     ("none", 5), ("policy 1", 1), ("policy 2", 2), ("policy 4", 4))
 P99_TARGET = 1.5  # the interactive p99 against no scheduler's, policies 1, 2 and 4
+ABOUT = (f"an interactive container sends a request of 2 x 1 ms kernels every {REQUEST_MS} ms, "
+         f"each timed from its first launch to the end of its synchronize")
+LEGEND = ("x = against none; int/nbrs = GPU time completed by the interactive containers / "
+          "the neighbours")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ scheduler.
 
 The arithmetic is pure (`parse_report`, `count`, `window_starts`,
 `window_counts`, `ratio_error`, `busy_fraction`, `summarize`); `started`
-and `measure` run the jobs on a `SimHost`.
+and `measure` run the jobs on a `Host`: a `SimHost` (simgpu), or the
+real-GPU validation's (tests/gpu/harness.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import select
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
-from tests.daemon.simbox import SHAREWORK, SimHost
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Protocol
 
 STEADY_AFTER = 1.0  # seconds from the start: the steady part
 WINDOW = 1.0
@@ -181,13 +182,33 @@ class Workload:
     phase_ms: int = 0  # the first request's offset from the start
 
 
+class Host(Protocol):
+    """Where containers run: `cgpu-run` against a control tree and its daemon."""
+
+    @property
+    def sharework(self) -> Path:
+        """The sharework binary to run in the containers."""
+
+    def cgpu_run(self, name: str, command: list[str], *, gpu: int = 0,
+                 weight: int | None = None, highprio: bool = False,
+                 util_limit: int | None = None, stdin: int | IO[bytes] | None = None,
+                 stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+        """`cgpu-run --name NAME [...] -- COMMAND`, in its own process group."""
+
+    def log(self, name: str) -> str:
+        """What the container wrote to its log so far."""
+
+    def stop(self, name: str) -> None:
+        """Stop the container, and forget it."""
+
+
 class Job:
     """A running container: `cgpu-run ... -- sharework --go-stdin`."""
 
-    def __init__(self, host: SimHost, workload: Workload, seconds: float) -> None:
+    def __init__(self, host: Host, workload: Workload, seconds: float) -> None:
         self.host = host
         self.workload = workload
-        command = [str(SHAREWORK), "--us", str(workload.us), "--seconds", str(seconds),
+        command = [str(host.sharework), "--us", str(workload.us), "--seconds", str(seconds),
                    "--procs", str(workload.procs), "--depth", str(workload.depth),
                    "--streams", str(workload.streams), "--request-ms",
                    str(workload.request_ms), "--phase-ms", str(workload.phase_ms),
@@ -251,7 +272,7 @@ class Run:
 
 
 @contextlib.contextmanager
-def started(host: SimHost, workloads: Sequence[Workload], seconds: float, *,
+def started(host: Host, workloads: Sequence[Workload], seconds: float, *,
             delay: float = 0.5) -> Iterator[Run]:
     """Start every container, wait until all are ready, and give them one start time
     `delay` ahead (time for the daemon to attach their regions); stops what is left."""
@@ -271,10 +292,15 @@ def started(host: SimHost, workloads: Sequence[Workload], seconds: float, *,
             host.stop(name)
 
 
-def measure(host: SimHost, workloads: Sequence[Workload], seconds: float) -> dict[str, Report]:
-    """Run the containers together for `seconds`; their reports by name."""
-    with started(host, workloads, seconds) as run:
-        return run.reports()
+def measure(host: Host, workloads: Sequence[Workload], seconds: float,
+            suffix: str = "") -> dict[str, Report]:
+    """Run the containers together for `seconds`; their reports by workload name.
+    The containers are named NAME + `suffix` (a container's name is taken until
+    its cleanup is done)."""
+    named = [replace(w, name=w.name + suffix) for w in workloads]
+    with started(host, named, seconds) as run:
+        reports = run.reports()
+    return {w.name: reports[n.name] for w, n in zip(workloads, named, strict=True)}
 
 
 def fraction(report: Report, us: int, start: float, end: float) -> float:

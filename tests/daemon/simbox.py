@@ -66,6 +66,8 @@ class SimHost:
     unless `env` sets them.
     """
 
+    sharework = SHAREWORK
+
     def __init__(self, tmp: Path, root: Path, *, gpus: int = 1,
                  env: Mapping[str, str | None] | None = None) -> None:
         self.tmp = tmp

@@ -1,6 +1,6 @@
-"""The coordinator of the real-GPU validation: its three sections, tables and checks.
+"""The coordinator of the real-GPU validation: its four sections, tables and checks.
 
-    python3 harness.py memory|compute|overhead
+    python3 harness.py memory|compute|overhead|latency
 
 validate.sh starts the control tree and the daemon, then runs each section
 under a timeout. Everything comes from the environment it sets:
@@ -17,6 +17,8 @@ under a timeout. Everything comes from the environment it sets:
 | VALIDATE_MEM_LIMIT | memory section's limit, bytes (8 GiB) |
 | VALIDATE_CTX_BYTES | bytes cgpu-run charges per context (real mode: 1 GiB, an overestimate) |
 | VALIDATE_DAEMON_DIR | has `daemon.pid`, `daemon/snapshot.json`, `daemon-restarts` (a line each) |
+| VALIDATE_LATENCY_SECONDS | each latency case's run (3) |
+| VALIDATE_LATENCY_ROWS | comma list of the latency rows to run, by name (default: all) |
 
 Exit status: 0 when the section measured (its PASS/FAIL lines are in
 checks.txt), 3 when it could not (a worker died, a barrier timed out).
@@ -35,13 +37,15 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
 from cgpu_km.tree import client as treefs  # noqa: E402
+from tests.bench import latency  # noqa: E402
+from tests.bench.shares import measure  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -77,6 +81,8 @@ class Config:
     mem_limit: int
     ctx_bytes: int | None
     daemon_dir: Path | None
+    latency_seconds: float = 3.0
+    latency_rows: tuple[str, ...] = ()  # () = every row of make bench's latency table
     python: str = sys.executable
 
     @classmethod
@@ -102,6 +108,9 @@ class Config:
             mem_limit=int(e.get("VALIDATE_MEM_LIMIT", str(8 * GiB))),
             ctx_bytes=int(ctx) if ctx else None,
             daemon_dir=Path(e["VALIDATE_DAEMON_DIR"]) if e.get("VALIDATE_DAEMON_DIR") else None,
+            latency_seconds=float(e.get("VALIDATE_LATENCY_SECONDS", "3")),
+            latency_rows=tuple(n.strip() for n in e.get("VALIDATE_LATENCY_ROWS", "").split(",")
+                               if n.strip()),
         )
 
     def daemon_restarts(self) -> int:
@@ -628,10 +637,10 @@ def report_compute(cfg: Config, plan: list[Phase], results: Results) -> None:
                 continue
             row, error = ratio_row(phase.batch, result, target)
             rows.append(row)
-            if policy == 2:
+            if target is not None:
                 verdicts.append((error is not None and abs(error) <= TARGET,
-                                 f"compute: policy 2, batch {phase.batch}: ratio {row[3]}, "
-                                 f"error {row[5]} (target 1:2 within 3%)"))
+                                 f"compute: policy {policy}, batch {phase.batch}: ratio "
+                                 f"{row[3]}, error {row[5]} (target 1:{target:g} within 3%)"))
         if not rows:
             continue
         name = POLICY_NAMES.get(policy, "?")
@@ -680,7 +689,124 @@ def section_overhead(cfg: Config) -> None:
           f"(at most 3% slower){' void: the daemon restarted' if void else ''}")
 
 
-SECTIONS = {"memory": section_memory, "compute": section_compute, "overhead": section_overhead}
+# -- 4. latency ---------------------------------------------------------------------
+
+
+class TreeHost:
+    """`make bench`'s container runner (tests/bench/shares.py's `Host`) on the
+    validation's tree and daemon: `cgpu-run` as a module of this interpreter, and
+    sharework linked for whichever libcuda.so.1 the host has (NVIDIA's, or
+    simgpu's on LD_LIBRARY_PATH when simulated)."""
+
+    sharework = REPO / "simgpu" / "sharework-host"
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.containers: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _log(self, name: str) -> Path:
+        return self.cfg.work / "logs" / f"latency-{name}.log"
+
+    def cgpu_run(self, name: str, command: list[str], *, gpu: int = 0,
+                 weight: int | None = None, highprio: bool = False,
+                 util_limit: int | None = None, stdin: int | IO[bytes] | None = None,
+                 stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+        # --memsize: sharework holds nothing but its contexts (VALIDATE_CTX_BYTES each)
+        args = [self.cfg.python, "-m", "cgpu_km.container.run", "--name", name,
+                "--gpu", str(gpu), "--memsize", str(16 * GiB)]
+        if weight is not None:
+            args += ["--weight", str(weight)]
+        if highprio:
+            args.append("--highprio")
+        if util_limit is not None:
+            args += ["--util-limit", str(util_limit)]
+        if self.cfg.ctx_bytes is not None:
+            args += ["--ctx-bytes", str(self.cfg.ctx_bytes)]
+        log = self._log(name)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            process = subprocess.Popen([*args, "--", *command], stdin=stdin,
+                                       stdout=stdout if stdout is not None else out,
+                                       stderr=out, start_new_session=True)
+        with (self.cfg.work / "pids").open("a") as pids:  # validate.sh's trap kills these
+            pids.write(f"{process.pid}\n")
+        self.containers[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        path = self._log(name)
+        return path.read_text(errors="replace")[-1500:] if path.exists() else ""
+
+    def stop(self, name: str) -> None:
+        """SIGTERM to `cgpu-run` (it forwards it and cleans up), SIGKILL to its group after."""
+        process = self.containers.pop(name, None)
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def section_latency(cfg: Config) -> None:
+    """`make bench --only latency`'s rows on this GPU: each row under no scheduler
+    (policy 5) and policies 1, 2 and 4, side by side."""
+    if not TreeHost.sharework.exists():
+        raise Broken(f"{TreeHost.sharework} is not built (make -C simgpu sharework-host)")
+    names = [row.name for row in latency.ROWS]
+    unknown = [name for name in cfg.latency_rows if name not in names]
+    if unknown:
+        raise Broken(f"VALIDATE_LATENCY_ROWS: no row {', '.join(map(repr, unknown))}; the rows "
+                     f"are {', '.join(map(repr, names))}")
+    rows = [row for row in latency.ROWS if not cfg.latency_rows or row.name in cfg.latency_rows]
+    host = TreeHost(cfg)
+    seconds = cfg.latency_seconds
+    stamp(f"latency: {len(rows)} rows x {len(latency.COLUMNS)} schedulers, {seconds:g} s each")
+    lines = []
+    worst = 0.0
+    runs = 0
+    try:
+        for row in rows:
+            got = {}
+            for column, policy in latency.COLUMNS:
+                treefs.write_node(cfg.root, "0/max_inst", 16)
+                treefs.write_node(cfg.root, "0/policy", policy)
+                runs += 1
+                restarts = cfg.daemon_restarts()
+                try:
+                    reports = measure(host, row.workloads(), seconds, suffix=f"-{runs}")
+                except (RuntimeError, ValueError) as error:
+                    raise Broken(f"latency row {row.name!r}, {column}: {error}") from None
+                if cfg.daemon_restarts() != restarts:
+                    raise Broken(f"the daemon restarted during row {row.name!r}, {column}")
+                got[column] = latency.result(row, reports, seconds)
+            for column, _policy in latency.COLUMNS:
+                text = latency.line(row, column, got[column], got["none"])
+                print(text, flush=True)
+                lines.append(text)
+                if column != "none":
+                    worst = max(worst, latency.ratio(got[column].p99, got["none"].p99))
+    finally:  # what was measured is shown even when a later row broke
+        if lines:
+            emit(cfg, f"\n### 4. Latency\n{latency.ABOUT}; {seconds:g} s per case; none = "
+                      f"policy 5 (the driver's own time slicing); {latency.LEGEND}\n")
+            emit(cfg, "```text\n" + "\n".join([latency.HEAD, "-" * len(latency.HEAD), *lines])
+                 + "\n```")
+    check(cfg, worst <= latency.P99_TARGET,
+          f"latency: worst interactive p99 under policies 1, 2, 4 is {worst:.2f}x no "
+          f"scheduler's (target: at most {latency.P99_TARGET:g}x)")
+
+
+SECTIONS = {"memory": section_memory, "compute": section_compute, "overhead": section_overhead,
+            "latency": section_latency}
 
 
 def main(argv: Sequence[str]) -> int:

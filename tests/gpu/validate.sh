@@ -7,9 +7,11 @@
 # It builds libcgpu, makes the Python side importable without a registry
 # (wheels and fuse.py from .whl/, libfuse from .deb/ when missing), serves the
 # control tree (the module's /proc/cgpu_km if loaded, else cgpu-fuse, else the
-# mount-free cgpu_km.tree.plain), starts cgpu-daemon, and runs three sections
+# mount-free cgpu_km.tree.plain), starts cgpu-daemon, and runs four sections
 # (tests/gpu/harness.py): 1. memory, 2. compute (weights 1:2 under policies
-# 2, 1, 5), 3. overhead. It prints tables and one PASS/FAIL line per check;
+# 2, 1, 5), 3. overhead, 4. latency (make bench's latency rows, sharework's
+# timed kernels: no scheduler against policies 1, 2, 4). About 8 minutes on
+# a GPU. It prints tables and one PASS/FAIL line per check;
 # with $OUT set it saves validate.txt, tables.md, checks.txt and
 # validate-logs.tar.gz there. Exit status: 0 when every section measured
 # (whatever the figures), 1 when a section could not run, 2 on a broken setup.
@@ -20,14 +22,15 @@
 # CGPU_VALIDATE_LIBCGPU_CHECK=1 (first run tests/gpu/libcgpu_torch.py --no-bench),
 # VALIDATE_BACKEND=torch|driver (driver: synthetic kernels, for rehearsing without torch),
 # VALIDATE_WINDOW, VALIDATE_WARMUP, VALIDATE_BATCHES, VALIDATE_POLICIES,
-# VALIDATE_OVERHEAD_BATCH, VALIDATE_MEM_LIMIT, VALIDATE_CTX_BYTES (harness.py).
+# VALIDATE_OVERHEAD_BATCH, VALIDATE_MEM_LIMIT, VALIDATE_CTX_BYTES,
+# VALIDATE_LATENCY_SECONDS, VALIDATE_LATENCY_ROWS (harness.py).
 set -u -o pipefail
 
 SIMULATE=0
 for arg in "$@"; do
     case "$arg" in
         --simulate) SIMULATE=1 ;;
-        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "validate.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -113,18 +116,21 @@ if [ "$MODE" = sim ]; then
     export SIMGPU_DEVICES="${SIMGPU_DEVICES:-NVIDIA H200:143771MiB:GPU-a1b2c3d4-0000-4000-8000-00000000c0de}"
     export LD_LIBRARY_PATH="$REPO/simgpu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export VALIDATE_WINDOW=${VALIDATE_WINDOW:-2} VALIDATE_WARMUP=${VALIDATE_WARMUP:-1}
+    # two of make bench's latency rows (make bench has them all, on simgpu)
+    export VALIDATE_LATENCY_SECONDS=${VALIDATE_LATENCY_SECONDS:-1.5}
+    export VALIDATE_LATENCY_ROWS=${VALIDATE_LATENCY_ROWS-one busy,single 50 ms kernels}
 else
     unset CGPU_SIMULATE
+    export VALIDATE_WINDOW=${VALIDATE_WINDOW:-8} VALIDATE_WARMUP=${VALIDATE_WARMUP:-2}
 fi
 export VALIDATE_MODE=$MODE VALIDATE_BACKEND=$BACKEND VALIDATE_WORK=$WORK
 
 # --- build ---------------------------------------------------------------------------
-build() {  # build DIR: make, then again without -Werror (a newer compiler's new warnings)
-    local dir=$1
-    if timeout 300 make -C "$dir" >"$WORK/logs/build-$dir.log" 2>&1; then return 0; fi
-    log "make -C $dir failed; retrying without -Werror (see logs/build-$dir.log)"
-    timeout 300 make -C "$dir" CFLAGS="-O2 -std=gnu11 -Wall -Wextra -fPIC -fvisibility=hidden -Iinclude" \
-        >>"$WORK/logs/build-$dir.log" 2>&1
+build() {  # build DIR [TARGET]: make, then again without -Werror (a newer compiler's new warnings)
+    local dir=$1 target=${2:-}
+    if timeout 300 make -C "$dir" $target >"$WORK/logs/build-$dir.log" 2>&1; then return 0; fi
+    log "make -C $dir $target failed; retrying with WERROR=0 (see logs/build-$dir.log)"
+    timeout 300 make -C "$dir" WERROR=0 $target >>"$WORK/logs/build-$dir.log" 2>&1
 }
 if command -v make >/dev/null && { command -v gcc || command -v cc; } >/dev/null; then
     dirs="libcgpu"
@@ -132,6 +138,8 @@ if command -v make >/dev/null && { command -v gcc || command -v cc; } >/dev/null
     for dir in $dirs; do
         build "$dir" || { tail -20 "$WORK/logs/build-$dir.log"; broken "cannot build $dir"; }
     done
+    # the latency section's workload, linked for this host's libcuda.so.1
+    [ "$MODE" = real ] && { build simgpu sharework-host || log "cannot build simgpu/sharework-host: the latency section will not run"; }
     log "built: $dirs"
 elif [ -f libcgpu/libcgpu.so ]; then
     log "gcc or make missing: using the libcgpu/libcgpu.so that is already here"
@@ -331,6 +339,9 @@ run_section() {  # run_section NAME TIMEOUT
 run_section memory 240
 run_section compute $(( PHASES * per_phase + 180 ))
 run_section overhead $(( 4 * per_phase + 150 ))
+latency_limit=$("$PY" -c 'import sys; print(int(36 * (float(sys.argv[1]) + 5)) + 60)' "${VALIDATE_LATENCY_SECONDS:-3}") \
+    || broken "VALIDATE_LATENCY_SECONDS must be a number of seconds"
+run_section latency "$latency_limit"
 
 # --- summary ---------------------------------------------------------------------------------------
 echo

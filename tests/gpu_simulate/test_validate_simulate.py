@@ -2,7 +2,7 @@
 
 The script must not rot between the rare runs on an NVIDIA GPU: this runs it
 whole (build, control tree, daemon, memory, compute under policies 2/1/5,
-overhead) and checks what it prints. Bounds are generous (a small shared
+overhead, two latency rows) and checks what it prints. Bounds are generous (a small shared
 host); the real accuracy bar is checked on the GPU.
 """
 
@@ -49,7 +49,7 @@ def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
     for heading in ("### 1. Memory", "### 2. Compute: policy 2", "### 2. Compute: policy 1",
-                    "### 2. Compute: policy 5", "### 3. Overhead"):
+                    "### 2. Compute: policy 5", "### 3. Overhead", "### 4. Latency"):
         assert heading in out, out[-3000:]
     assert "BROKEN" not in out
     assert "PASS memory: allocates up to the limit, out of memory beyond it" in out
@@ -60,6 +60,13 @@ def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
         assert ratio == pytest.approx(2.0, rel=0.10), (batch, ratios)
     for batch, ratio in ratios[1].items():
         assert ratio == pytest.approx(1.0, rel=0.10), (batch, ratios)
+    # each latency row under no scheduler and policies 1, 2, 4, every request timed
+    for row in ("one busy", "single 50 ms kernels"):
+        for sched in ("none", "policy 1", "policy 2", "policy 4"):
+            line = re.search(rf"^{row} +{sched} +\|.*\| +(\d+) +[\d.]+%", out, re.MULTILINE)
+            assert line is not None, (row, sched, out[-3000:])
+            assert int(line.group(1)) >= 50, (row, sched, line.group(0))
+    assert re.search(r"^(PASS|FAIL) latency: worst interactive p99", out, re.MULTILINE)
     saved = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert saved == ["checks.txt", "tables.md", "validate-logs.tar.gz", "validate.txt"]
     assert "### 3. Overhead" in (tmp_path / "out" / "tables.md").read_text()
@@ -68,10 +75,11 @@ def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_mount_free_tree_fallback_carries_the_daemon(tmp_path: Path) -> None:
     result = run(tmp_path, CGPU_VALIDATE_TREE="plain", VALIDATE_BATCHES="32",
-                 VALIDATE_POLICIES="2")
+                 VALIDATE_POLICIES="2", VALIDATE_LATENCY_ROWS="one busy")
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
     assert "control tree: plain files at" in out
     assert "PASS memory: daemon meminfo equals NVML's per-process usage" in out
     assert tables(out)[2][32] == pytest.approx(2.0, rel=0.10), out[-3000:]
     assert "### 3. Overhead" in out
+    assert re.search(r"^one busy +policy 2 +\|", out, re.MULTILINE), out[-3000:]
