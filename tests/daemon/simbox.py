@@ -29,6 +29,33 @@ UUID = "GPU-5e1f3a2b-0c4d-4e6f-8a9b-7c1d2e3f4a5b"
 VENV_BIN = Path(sys.executable).parent
 
 
+def share_options(weight: int | None, highprio: bool, util_limit: int | None) -> list[str]:
+    """`cgpu-run`'s options for a container's compute share."""
+    options = [] if weight is None else ["--weight", str(weight)]
+    if highprio:
+        options.append("--highprio")
+    if util_limit is not None:
+        options += ["--util-limit", str(util_limit)]
+    return options
+
+
+def stop_job(process: subprocess.Popen[bytes], timeout: float = 15) -> None:
+    """SIGTERM to a `cgpu-run` (it forwards it and cleans up), SIGKILL to its
+    process group after `timeout`; then close the pipes it was given."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
 def missing() -> str | None:
     """Why a simulated host cannot run here, or None."""
     for path in (SIMGPU / "libcuda.so.1", SIMGPU / "libnvidia-ml.so.1", SHAREWORK, LIBCGPU):
@@ -143,13 +170,7 @@ class SimHost:
                  stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
         """`cgpu-run --name NAME --gpu G [...] -- COMMAND`, in its own process group."""
         args = [str(VENV_BIN / "cgpu-run"), "--root", str(self.root), "--name", name,
-                "--gpu", str(gpu)]
-        if weight is not None:
-            args += ["--weight", str(weight)]
-        if highprio:
-            args.append("--highprio")
-        if util_limit is not None:
-            args += ["--util-limit", str(util_limit)]
+                "--gpu", str(gpu), *share_options(weight, highprio, util_limit)]
         with (self.tmp / f"{name}.log").open("ab") as log:
             process = subprocess.Popen([*args, "--", *command], env=self.env, stdin=stdin,
                                        stdout=stdout if stdout is not None else log,
@@ -186,20 +207,8 @@ class SimHost:
     def stop(self, name: str, timeout: float = 15) -> None:
         """SIGTERM to `cgpu-run` (it forwards it and cleans up); SIGKILL to its group after."""
         process = self.containers.pop(name, None)
-        if process is None:
-            return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+        if process is not None:
+            stop_job(process, timeout)
 
     def close(self) -> None:
         for name in list(self.containers):

@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from cgpu_km.tree import client as treefs  # noqa: E402
 from tests.bench import latency  # noqa: E402
 from tests.bench.shares import measure  # noqa: E402
+from tests.daemon.simbox import share_options, stop_job  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -713,13 +714,8 @@ class TreeHost:
                  stdout: int | IO[bytes] | None = None) -> subprocess.Popen[bytes]:
         # --memsize: sharework holds nothing but its contexts (VALIDATE_CTX_BYTES each)
         args = [self.cfg.python, "-m", "cgpu_km.container.run", "--name", name,
-                "--gpu", str(gpu), "--memsize", str(16 * GiB)]
-        if weight is not None:
-            args += ["--weight", str(weight)]
-        if highprio:
-            args.append("--highprio")
-        if util_limit is not None:
-            args += ["--util-limit", str(util_limit)]
+                "--gpu", str(gpu), "--memsize", str(16 * GiB),
+                *share_options(weight, highprio, util_limit)]
         if self.cfg.ctx_bytes is not None:
             args += ["--ctx-bytes", str(self.cfg.ctx_bytes)]
         log = self._log(name)
@@ -738,22 +734,9 @@ class TreeHost:
         return path.read_text(errors="replace")[-1500:] if path.exists() else ""
 
     def stop(self, name: str) -> None:
-        """SIGTERM to `cgpu-run` (it forwards it and cleans up), SIGKILL to its group after."""
         process = self.containers.pop(name, None)
-        if process is None:
-            return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        for pipe in (process.stdin, process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+        if process is not None:
+            stop_job(process)
 
 
 def section_latency(cfg: Config) -> None:
