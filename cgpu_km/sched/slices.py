@@ -29,6 +29,11 @@ under policies 0, 2 and 3, where unused time stays idle, at once, alone too:
 else it would pay for time nobody used, and containers whose requests leave
 the GPU idle between them would fall behind their shares (not a holder whose
 share is the whole GPU: nobody else may use it, its idle time is its own).
+A drain not answered within the drain limit (`drain_timeout`) is cut: the
+GPU is granted, and the late container is charged until its answer is seen
+and not granted before. Its next drain is waited for as long: it has paid
+for its drain, and a container whose processes queue more than a drain limit
+(many processes of long kernels) would otherwise be cut at every turn after.
 
 Handovers, for latency: a container that starts waiting after a rest (it
 had neither launched, waited nor held the GPU for half a quantum) and is
@@ -268,7 +273,6 @@ class _Account:
     used: float = 0.0  # GPU seconds charged so far
     last_launches: int | None = None
     last_active: float = -float("inf")
-    drain_limit: float = float("inf")  # how long its drain may take before it is cut
     last_waiting: float = -float("inf")  # the last step that saw it waiting
     # How long it had neither launched nor waited when its present wait began; 0
     # while it waits on past the end of a turn.
@@ -319,7 +323,6 @@ class SliceScheduler:
         self.quantum = quantum
         self.idle_grace = idle_grace
         self.drain_timeout = drain_timeout
-        self._drain_floor = min(drain_timeout, quantum * MAX_QUANTA)
         self.burst_window = quantum * burst_quanta
         self._config = config
         self._accounts: dict[str, _Account] = {n: _Account() for n in config.containers}
@@ -476,16 +479,14 @@ class SliceScheduler:
         """A late container that answered is charged up to now and is late no more; a
         handover's drain past its deadline is cut (it stays late)."""
         for name in list(self._late):
-            late, acc = self._late[name], self._accounts[name]
+            late = self._late[name]
             if observed.get(name, NOTHING).answered:
                 if late.deadline is not None:  # a handover's drain, answered in time
-                    acc.drain_limit = min(2 * self._drain_limit(name), self.drain_timeout)
                     self._end_sharing(now)
                 late = self._late.pop(name)  # with its refund, if sharing just ended
                 self._charge(name, now - late.since - late.refund)
             elif late.deadline is not None and now >= late.deadline:
                 self._late[name] = replace(late, deadline=None)
-                acc.drain_limit = max(self._drain_limit(name) / 2, self._drain_floor)
                 self._end_sharing(now)
 
     def _eligible(self, name: str, slack: float | None = None) -> bool:
@@ -560,7 +561,7 @@ class SliceScheduler:
         closed = turn.closed_at if isinstance(turn, Draining) else now
         self._end_turn(turn, now)
         self._late[turn.holder] = Late(since=now,
-                                       deadline=closed + self._drain_limit(turn.holder))
+                                       deadline=closed + self.drain_timeout)
 
     def _holding(self, turn: Holding, now: float, waiting: Set[str]) -> SliceDecision:
         """Holding: the slice goes on, is renewed (nobody else may take the GPU) or
@@ -587,7 +588,7 @@ class SliceScheduler:
             # Closed now: the answers in `observed` predate this close.
             self._state = Draining(holder, closed_at=now, paid_to=turn.paid_to,
                                    sharing=turn.sharing)
-            return self._decision(frozenset(), now + self._drain_limit(holder))
+            return self._decision(frozenset(), now + self.drain_timeout)
         if ended:  # nobody else may take it: a new slice, no drain
             company = self._active - {holder}
             alone = LONE_SLICE if self._rates[holder][0] >= 1 else self.quantum * MAX_QUANTA
@@ -602,24 +603,19 @@ class SliceScheduler:
 
     def _draining(self, turn: Draining, now: float, observed: Mapping[str, Observation],
                   waiting: set[str]) -> SliceDecision:
-        """Draining: the holder's answer is awaited until its drain limit; then (cut
-        or not) its turn ends and the GPU is granted in the same step."""
+        """Draining: the holder's answer is awaited until the drain timeout; then
+        (cut or not) its turn ends and the GPU is granted in the same step."""
         holder = turn.holder
         seen = observed.get(holder, NOTHING)
-        acc = self._accounts[holder]
-        limit = self._drain_limit(holder)
-        if not seen.answered and now < turn.closed_at + limit:  # as wake_at is
-            return self._decision(frozenset(), turn.closed_at + limit)
+        if not seen.answered and now < turn.closed_at + self.drain_timeout:  # as wake_at is
+            return self._decision(frozenset(), turn.closed_at + self.drain_timeout)
         # Charged until its answer is seen: what it queued ran past the slice's
         # end, and the time it took to say so kept the GPU from the others. The
         # drain time the answer names is the processes' own claim: one dated
         # early would make the others pay for a late answer.
         self._end_turn(turn, now)
-        if seen.answered:
-            acc.drain_limit = min(2 * limit, self.drain_timeout)
-        else:  # cut: charged on until it answers, and not granted before
+        if not seen.answered:  # cut: charged on until it answers, and not granted before
             self._late[holder] = Late(since=now)
-            acc.drain_limit = max(limit / 2, self._drain_floor)
             waiting.discard(holder)
         return self._grant(now, waiting)
 
@@ -702,13 +698,6 @@ class SliceScheduler:
     def _overlaps_full(self) -> bool:
         """MAX_OVERLAP handover drains run: nobody more may wake into the GPU."""
         return sum(late.deadline is not None for late in self._late.values()) >= MAX_OVERLAP
-
-    def _drain_limit(self, name: str) -> float:
-        """How long `name`'s drain may take: `drain_timeout`, halved at each cut
-        (down to a long slice) and doubled back at each answer in time, so that
-        a container that never answers cannot hold the GPU idle a second at a
-        time, again and again."""
-        return min(self._accounts[name].drain_limit, self.drain_timeout)
 
     def _settle(self, waiting: Set[str]) -> None:
         """Take out of the books what nobody is owed, before a grant.

@@ -293,41 +293,69 @@ def test_a_cut_holder_is_not_granted_again_until_it_answers() -> None:
     assert scheduler.used()[holder] == pytest.approx(t), "charged from its grant until it answered"
 
 
-def drain_allowed(scheduler: SliceScheduler, t: float, answers: bool) -> float:
-    """Grant `a` (alone) at `t`, run it until its slice closes, and see how long the GPU
-    waits for its answer: until it answers (`answers`, 10 ms after the close) or it
-    is cut."""
+def cut_after(scheduler: SliceScheduler, t: float) -> tuple[float, float]:
+    """Grant `a` (alone) once its credit allows, from `t`; run it until its slices
+    close, leave its drain unanswered until it is cut and answer just after: how
+    long after the close the cut came, and when it answered."""
     decision = scheduler.step(t, {"a": Observation(waiting=True)})
+    if decision.holder is None:  # its credit allows a grant at wake_at
+        decision = scheduler.step(decision.wake_at, {"a": Observation(waiting=True)})
     assert decision.holder == "a"
     silent = Observation(waiting=True, answered=False)
     while decision.open:  # its slices run until its credit is spent
         closed = decision.wake_at
         decision = scheduler.step(closed, {"a": silent})
-    wake = decision.wake_at
-    if answers:
-        scheduler.step(closed + 0.01, {"a": Observation(answered=True)})
-        return 0.01
-    scheduler.step(wake, {"a": silent})
+    scheduler.step(decision.wake_at, {"a": silent})
     assert scheduler.late == {"a"}
-    scheduler.step(wake + 0.001, {"a": Observation(answered=True)})
-    return wake - closed
+    answered = decision.wake_at + 0.001
+    scheduler.step(answered, {"a": Observation(answered=True)})
+    return decision.wake_at - closed, answered
 
 
-def test_the_drain_limit_halves_at_each_cut_and_comes_back_with_answers() -> None:
-    """A container that never answers in time cannot hold the GPU idle a whole
-    drain timeout again and again: each cut halves its limit, down to a long slice."""
+def test_a_container_that_answers_after_its_cut_is_cut_at_the_same_limit_again() -> None:
+    """A cut container is charged until it answers and is not granted before: it
+    holds the GPU idle for no longer at its next turn for having answered late,
+    so it is waited for as long as one that answers just in time."""
     config = GpuConfig(policy=Policy.FIXED, max_inst=2, containers={"a": W(1)})
     scheduler = SliceScheduler(config, quantum=0.02, drain_timeout=1.0)
-    t = 0.0
-    limits = []
-    for _ in range(6):
-        limits.append(drain_allowed(scheduler, t, answers=False))
-        t += 10.0  # its credit comes back
-    assert limits == pytest.approx([1.0, 0.5, 0.25, 0.125, 0.08, 0.08])
-    for _ in range(3):  # answers in time: the limit doubles back each time
-        drain_allowed(scheduler, t, answers=True)
-        t += 10.0
-    assert drain_allowed(scheduler, t, answers=False) == pytest.approx(0.64)
+    t, limits = 0.0, []
+    for _ in range(4):
+        limit, t = cut_after(scheduler, t)
+        limits.append(limit)
+    assert limits == pytest.approx([1.0] * 4)
+
+
+def test_drains_cut_once_are_not_cut_at_every_turn_after() -> None:
+    """Eight processes a container, 1:2: for 2 s their 80 ms kernels leave 1.3 s
+    queued at each close (cut at the drain timeout), then 20 ms kernels leave
+    0.3 s (within it). From then on the GPU runs the kernels, at 1:2. (When each
+    cut shortened the next drain's limit, every drain of 0.3 s was cut too, the
+    late one and the next holder were both charged for the overlap, and a
+    quarter of the GPU stood idle while they paid it back.)"""
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(2)})
+    procs = [Proc(name, 0.08, depth=2) for name in ("a", "b") for _ in range(8)]
+
+    def shorter_kernels_from_2s(t: float, name: str) -> bool:
+        if t >= 2.0:
+            for proc in procs:
+                proc.kernel = 0.02
+        return True
+
+    def done() -> dict[str, int]:
+        return {n: sum(p.completed for p in procs if p.container == n) for n in ("a", "b")}
+
+    at_9s: dict[str, int] = {}
+
+    def count_from_9s(t: float) -> None:
+        if t >= 9.0 and not at_9s:
+            at_9s.update(done())
+
+    run(SliceScheduler(config), procs, 14.0, dt=0.0005, demand=shorter_kernels_from_2s,
+        on_step=count_from_9s)
+    end = done()
+    a, b = (end[n] - at_9s[n] for n in ("a", "b"))
+    assert (a + b) * 0.02 >= 0.95 * 5.0, f"the GPU ran {a} + {b} kernels of 20 ms in 5 s"
+    assert b / a == pytest.approx(2.0, rel=0.15)
 
 
 def test_credits_stay_bounded() -> None:
