@@ -31,7 +31,10 @@ the GPU idle between them would fall behind their shares (not a holder whose
 share is the whole GPU: nobody else may use it, its idle time is its own).
 A drain not answered within the drain limit (`drain_timeout`) is cut: the
 GPU is granted, and the late container is charged until its answer is seen
-and not granted before. Its next drain is waited for as long: it has paid
+and not granted before. Its queued work runs on beside the next holder:
+until it answers or that turn ends, the span is shared and paid half by each,
+as after a handover (in full by both, time nobody used would be owed, and
+repaid with the GPU idle). Its next drain is waited for as long: it has paid
 for its drain, and a container whose processes queue more than a drain limit
 (many processes of long kernels) would otherwise be cut at every turn after.
 
@@ -95,9 +98,9 @@ Beside the state, any number of late containers (`late`), each with its
 `Late` record: cut before it answered, or handed over from. A late
 container is charged until its answer is seen, and not granted before.
 A handover's `Holding` (or the `Draining` after it) names the container
-it was handed over by (`sharing`): until that one's drain ends (it
-answers, or its deadline cuts it) or the turn ends, the span is shared
-and paid half by each.
+it was handed over by (`sharing`), and a grant after a cut the container
+cut: until that one's drain ends (it answers, or a handover's deadline cuts
+it) or the turn ends, the span is shared and paid half by each.
 """
 
 from __future__ import annotations
@@ -476,13 +479,15 @@ class SliceScheduler:
             acc.credit, acc.cap_credit = credit, cap_credit
 
     def _hear_the_late(self, now: float, observed: Mapping[str, Observation]) -> None:
-        """A late container that answered is charged up to now and is late no more; a
-        handover's drain past its deadline is cut (it stays late)."""
+        """A late container that answered is charged up to now (less its half of the
+        span it shared) and is late no more; a handover's drain past its deadline
+        is cut (it stays late, and pays in full from then)."""
         for name in list(self._late):
             late = self._late[name]
             if observed.get(name, NOTHING).answered:
-                if late.deadline is not None:  # a handover's drain, answered in time
-                    self._end_sharing(now)
+                turn = self._state
+                if isinstance(turn, Holding | Draining) and turn.sharing == name:
+                    self._end_sharing(now)  # the span it shared ends with its answer
                 late = self._late.pop(name)  # with its refund, if sharing just ended
                 self._charge(name, now - late.since - late.refund)
             elif late.deadline is not None and now >= late.deadline:
@@ -614,10 +619,16 @@ class SliceScheduler:
         # drain time the answer names is the processes' own claim: one dated
         # early would make the others pay for a late answer.
         self._end_turn(turn, now)
-        if not seen.answered:  # cut: charged on until it answers, and not granted before
-            self._late[holder] = Late(since=now)
-            waiting.discard(holder)
-        return self._grant(now, waiting)
+        if seen.answered:
+            return self._grant(now, waiting)
+        # Cut: charged on until it answers, and not granted before. Its queued
+        # work runs on beside the next holder, which the driver time-slices
+        # with it: until it answers, or that turn ends, the span is shared and
+        # paid half by each, as after a handover (charging both in full would
+        # owe time that nobody used, and leave the GPU idle while it is repaid).
+        self._late[holder] = Late(since=now)
+        waiting.discard(holder)
+        return self._grant(now, waiting, sharing=holder)
 
     def _native(self, now: float, dt: float) -> SliceDecision:
         """Native (policy 5): every gate open, but a capped container's only while its

@@ -87,11 +87,38 @@ def test_a_drain_past_its_limit_is_cut_and_late() -> None:
     s = draining_b()
     limit = s.step(0.03, {"a": WAITING, "b": SILENT}).wake_at
     s.step(limit, {"a": WAITING, "b": SILENT})
-    assert s.holder == "a"
+    assert state(s) == Holding("a", slice_start=limit, slice_end=limit + 0.02, paid_to=limit,
+                              sharing="b"), "b's queued work runs beside a: the span is shared"
     assert s.late_record("b") == Late(since=limit)
     s.step(0.13, {"a": busy(1), "b": Observation(waiting=True, launches=1)})
     assert s.late_record("b") is None
-    assert s.used()["b"] == pytest.approx(0.13)
+    assert state(s) == Holding("a", slice_start=limit, slice_end=limit + 0.02, paid_to=0.13)
+    # charged until its answer was seen, less its half of the span a shared with it
+    assert s.used() == {"a": pytest.approx(0.005), "b": pytest.approx(0.125)}
+
+
+def test_a_cut_drain_shares_the_span_only_until_the_next_turn_ends() -> None:
+    s = scheduler("a", "b", "c")
+    s.step(0.0, {"a": WAITING, "b": WAITING, "c": WAITING})  # c: passed over, not waking
+    holder = s.holder
+    assert holder is not None
+    others = {"a", "b", "c"} - {holder}
+    s.step(0.02, {holder: busy(1), **{n: WAITING for n in others}})
+    limit = s.step(0.03, {holder: SILENT, **{n: WAITING for n in others}}).wake_at
+    s.step(limit, {holder: SILENT, **{n: WAITING for n in others}})
+    nxt = s.holder
+    assert nxt in others
+    assert getattr(state(s), "sharing", None) == holder
+    seen = {holder: SILENT, nxt: busy(1), **{n: WAITING for n in others - {nxt}}}
+    s.step(limit + 0.02, seen)  # its slice ends with company
+    assert state(s) == Draining(nxt, closed_at=limit + 0.02, paid_to=limit, sharing=holder)
+    s.step(limit + 0.025, seen)  # it answers: the third is granted
+    assert s.holder not in (holder, nxt)
+    assert getattr(state(s), "sharing", "?") is None, "that turn is not the cut one's to share"
+    assert late(s, holder) == (limit, None, pytest.approx(0.0125))
+    s.step(0.2, {holder: Observation(waiting=True, launches=1), **{n: WAITING for n in others}})
+    assert s.used()[holder] == pytest.approx(0.2 - 0.0125), "in full from that answer on"
+    assert s.used()[nxt] == pytest.approx(0.0125)
 
 
 def handed_over() -> SliceScheduler:
