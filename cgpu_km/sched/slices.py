@@ -99,8 +99,9 @@ Beside the state, any number of late containers (`late`), each with its
 container is charged until its answer is seen, and not granted before.
 A handover's `Holding` (or the `Draining` after it) names the container
 it was handed over by (`sharing`), and a grant after a cut the container
-cut: until that one's drain ends (it answers, or a handover's deadline cuts
-it) or the turn ends, the span is shared and paid half by each.
+cut: until that one answers or the turn ends, the span is shared and paid
+half by each. A handover's drain is cut at its deadline like any drain: it
+stays late, and no longer counts against MAX_OVERLAP.
 """
 
 from __future__ import annotations
@@ -481,7 +482,8 @@ class SliceScheduler:
     def _hear_the_late(self, now: float, observed: Mapping[str, Observation]) -> None:
         """A late container that answered is charged up to now (less its half of the
         span it shared) and is late no more; a handover's drain past its deadline
-        is cut (it stays late, and pays in full from then)."""
+        is cut: it stays late, as a cut drain does (it shares the span until it
+        answers or the turn ends, and is no overlap that holds off a waker)."""
         for name in list(self._late):
             late = self._late[name]
             if observed.get(name, NOTHING).answered:
@@ -492,7 +494,6 @@ class SliceScheduler:
                 self._charge(name, now - late.since - late.refund)
             elif late.deadline is not None and now >= late.deadline:
                 self._late[name] = replace(late, deadline=None)
-                self._end_sharing(now)
 
     def _eligible(self, name: str, slack: float | None = None) -> bool:
         """May start a slice: its credits are not below zero, give or take a

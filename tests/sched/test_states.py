@@ -152,9 +152,14 @@ def test_a_handover_drain_past_its_deadline_is_cut_and_stays_late() -> None:
     assert record is not None
     assert record.deadline is not None
     s.step(record.deadline, {"a": SILENT, "b": busy(2)})
-    assert late(s, "a") == (0.005, None, pytest.approx(0.05))
+    assert late(s, "a") == (0.005, None, 0.0)
     assert s.holder == "b"
-    assert getattr(state(s), "sharing", "?") is None, "the shared span ended at the cut"
+    assert getattr(state(s), "sharing", "?") == "a", "a's work still runs beside b's turn"
+    s.step(0.2, {"a": SILENT, "b": Observation(launches=2)})  # b idle: its turn ends
+    s.step(0.201, {"a": SILENT, "b": Observation(launches=2)})
+    assert state(s) == Idle()
+    assert late(s, "a") == (0.005, None, pytest.approx(0.098)), "half of 0.005 to 0.201"
+    assert s.used()["b"] == pytest.approx(0.098)
 
 
 def test_the_holders_turn_ending_first_leaves_the_drainer_its_refund() -> None:
