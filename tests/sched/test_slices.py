@@ -353,9 +353,8 @@ def test_drains_cut_once_are_not_cut_at_every_turn_after() -> None:
         if t >= 9.0 and not at_9s:
             at_9s.update(done())
 
-    run(SliceScheduler(config), procs, 14.0, dt=0.0005, demand=shorter_kernels_from_2s,
-        on_step=count_from_9s)
-    end = done()
+    end = run(SliceScheduler(config), procs, 14.0, dt=0.0005, demand=shorter_kernels_from_2s,
+              on_step=count_from_9s)
     a, b = (end[n] - at_9s[n] for n in ("a", "b"))
     assert (a + b) * 0.02 >= 0.95 * 5.0, f"the GPU ran {a} + {b} kernels of 20 ms in 5 s"
     assert b / a == pytest.approx(2.0, rel=0.15)
