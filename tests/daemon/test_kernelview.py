@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -90,10 +91,14 @@ def test_a_process_that_names_itself_in_any_bytes_is_still_seen(name: bytes) -> 
             child.stdout.readline()  # renamed
             with open(f"/proc/{child.pid}/comm", "rb") as comm:
                 assert comm.read().rstrip(b"\n") == name
+            # Stopped and reaped as stopped, its state can only be T: a state
+            # read while it runs on to its read() would be R or S by chance.
+            os.kill(child.pid, signal.SIGSTOP)
+            os.waitpid(child.pid, os.WUNTRACED)
             info = kernelview.process_info(child.pid)
             assert info is not None
-            assert (info.inner_pid, info.state) == (child.pid, "S")
-            assert kernelview.process_state(child.pid) == ("S", info.start_time)
+            assert (info.inner_pid, info.state) == (child.pid, "T")
+            assert kernelview.process_state(child.pid) == ("T", info.start_time)
         finally:
             child.kill()
 
