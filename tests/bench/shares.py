@@ -110,6 +110,20 @@ def busy_fraction(kernels: int, us: int, seconds: float) -> float:
     return kernels * us / 1e6 / seconds
 
 
+def resolving_seconds(us: int, procs: int, share: float, error: float, least: float) -> float:
+    """How long a run must be for its steady part to resolve a ratio `error`, for
+    a container of `procs` processes of `us` kernels at `share` of the GPU (at
+    least `least` seconds).
+
+    Its kernels end in bursts of one per process (a time-sliced GPU runs the
+    processes' kernels side by side, so they end together), so its count at
+    each end of the steady part is uncertain by `procs` kernels: the steady
+    part must hold 2 * procs / error of them.
+    """
+    kernels = 2 * procs / error
+    return max(least, STEADY_AFTER + kernels * us / 1e6 / share)
+
+
 @dataclass(frozen=True)
 class Summary:
     """Two containers' counts over one run, against a target ratio second:first."""

@@ -9,11 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.bench.shares import (
+    STEADY_AFTER,
     Report,
     busy_fraction,
     count,
     parse_report,
     ratio_error,
+    resolving_seconds,
     summarize,
     window_counts,
     window_starts,
@@ -101,6 +103,24 @@ def test_ratio_error_against_the_target() -> None:
 @given(st.integers(1, 10_000), st.integers(1, 5))
 def test_exact_shares_have_no_error(first: int, factor: int) -> None:
     assert ratio_error(first, first * factor, float(factor)) == pytest.approx(0.0)
+
+
+def test_runs_of_long_kernels_are_long_enough_to_resolve_the_target() -> None:
+    """At a third of the GPU, 8 processes of 20 ms kernels end 16.7 kernels a
+    second in bursts of 8: 7 s of steady part hold 117, where a burst at each
+    end is 14%; a 2% error needs 800 of them, 48 s."""
+    assert resolving_seconds(20_000, 8, 1 / 3, 0.02, 8.0) == pytest.approx(49.0)
+    assert resolving_seconds(20_000, 4, 1 / 3, 0.02, 8.0) == pytest.approx(25.0)
+    assert resolving_seconds(50, 8, 1 / 3, 0.02, 8.0) == 8.0
+
+
+@given(st.sampled_from((50, 1000, 5000, 20_000)), st.integers(1, 64),
+       st.sampled_from((1 / 3, 1 / 2, 2 / 3)), st.floats(0.005, 0.1))
+def test_a_burst_at_each_end_is_within_the_error(us: int, procs: int, share: float,
+                                                 error: float) -> None:
+    seconds = resolving_seconds(us, procs, share, error, 1.0)
+    kernels = (seconds - STEADY_AFTER) * share / (us / 1e6)
+    assert 2 * procs / kernels <= error * (1 + 1e-9)
 
 
 def test_busy_fraction_is_kernel_time_over_wall_time() -> None:
