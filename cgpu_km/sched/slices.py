@@ -23,7 +23,11 @@ whose credits are not negative; when none is, the GPU stays idle until one
 is (that is how shares below 1 hold under policies 0, 2 and 3). Positive
 credit is clamped to a short burst while a container is idle (no banking). A
 lone busy holder keeps the GPU without a drain: its slice is renewed while
-nobody else waits and its credit allows. An idle holder (it neither launched
+nobody else waits and its credit allows. One that waits for credit only is
+company: the holder's slice ends with a drain, and it may be granted again
+at once (more turns, as long as the others', not longer ones: each turn
+costs its holder a drain's way back, and the smaller share would pay it
+more often for the same GPU time). An idle holder (it neither launched
 nor waited for the idle grace) gives the GPU up once another container waits;
 under policies 0, 2 and 3, where unused time stays idle, at once, alone too:
 else it would pay for time nobody used, and containers whose requests leave
@@ -84,9 +88,11 @@ each step goes through the one transition function of the present state)::
     state     gates open     left when                            for
     Idle      none           someone waiting is eligible          Holding
     Holding   the holder's   its slice ends, still eligible and   Holding (renewed)
-                             nobody else may take it
-                             its slice ends with company, or it   Draining
-                             is preempted, out of credit, idle
+                             nobody else waits for the GPU
+                             its slice ends with company that     Draining
+                             waits (for the GPU, or for credit
+                             only), or it is preempted, out of
+                             credit, idle
                              a container wakes                    Holding (handover)
     Draining  none           it answers, or its drain limit       Idle, then a grant
                              passes (cut: it is late)             in the same step
@@ -579,17 +585,24 @@ class SliceScheduler:
         others = {n for n in waiting - {holder}
                   if self._eligible(n) or (lend and self._rates[n][0] > 0
                                            and self._accounts[n].cap_credit >= 0)}
+        # ... and those that wait for share credit only: while they do, the
+        # holder's turns end as theirs do, with a drain, and it takes more of
+        # them (it may be granted again at once), not longer ones: else the
+        # smaller share would pay a drain's cost per turn more often than the
+        # larger for the same GPU time.
+        takes_turns = others or any(self._rates[n][0] > 0 and self._accounts[n].cap_credit >= 0
+                              for n in waiting - {holder})
         idle = now - self._accounts[holder].last_active >= self.idle_grace
         preempted = not self._allot[holder].preempts and any(
             self._allot[n].preempts and self._eligible(n) for n in others)
-        if others:  # no longer alone: a slice for the company it has now
+        if takes_turns:  # no longer alone: a slice for the company it has now
             turn = replace(turn, slice_end=min(turn.slice_end, turn.slice_start
                                                + self.quantum))
         ended = now >= turn.slice_end
         if ended:  # charge the slice so far: is there credit for another?
             turn = replace(turn, paid_to=self._pay(turn, now))
         gives_up = idle and self._idle_gives_up(holder, bool(others))
-        if (preempted or (others and ended) or gives_up
+        if (preempted or (takes_turns and ended) or gives_up
                 or (ended and not self._eligible(holder, slack=1e-9))):
             # Closed now: the answers in `observed` predate this close.
             self._state = Draining(holder, closed_at=now, paid_to=turn.paid_to,

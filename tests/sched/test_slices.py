@@ -21,6 +21,7 @@ from cgpu_km.sched import (
     SliceScheduler,
     allotments,
 )
+from cgpu_km.sched.slices import Draining
 from tests.sched.oracle import busy_shares
 from tests.sched.slice_model import Proc, kernels, run
 
@@ -109,6 +110,28 @@ def test_one_to_two_is_counted_in_kernels(kernel: float) -> None:
     got = fractions(config, busy("a", "b", kernel=kernel), 10.0)
     assert got["b"] / got["a"] == pytest.approx(2.0, rel=0.02), got
     assert sum(got.values()) >= 0.97, got
+
+
+def test_a_larger_share_takes_more_turns_while_the_smaller_waits_for_credit() -> None:
+    """One process each of 20 ms kernels: the smaller container's turn is a
+    slice and a drain of two kernels, after which it waits for credit. Renewed
+    without a drain meanwhile, the larger took one long turn for each of the
+    smaller's, paid the cost of a drain (its answer's way back, the step
+    after it) half as often for the same GPU time, and got 1:2.07."""
+    config = GpuConfig(policy=Policy.WEIGHTED, containers={"a": W(1), "b": W(2)})
+    scheduler = SliceScheduler(config)
+    drains: set[tuple[str, float]] = set()
+
+    def on_step(now: float) -> None:
+        if isinstance(turn := scheduler.state, Draining):
+            drains.add((turn.holder, turn.closed_at))
+
+    procs = busy("a", "b", kernel=0.02)
+    got = kernels(run(scheduler, procs, 20.0, answer_delay=0.002, step_delay=0.003,
+                      dt=0.0005, on_step=on_step), procs)
+    turns = {name: sum(1 for holder, _ in drains if holder == name) for name in "ab"}
+    assert turns["b"] / turns["a"] == pytest.approx(2.0, rel=0.05), turns
+    assert got["b"] / got["a"] == pytest.approx(2.0, rel=0.02), got
 
 
 @pytest.mark.parametrize("answer_delay", [0.001, 0.002])
