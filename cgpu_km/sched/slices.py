@@ -582,16 +582,16 @@ class SliceScheduler:
         # Who would take the GPU if the holder gave it up: under the
         # work-conserving policies anyone waiting (idle time is lent).
         lend = self._config.policy.work_conserving
+        # Company that waits: with a share and cap credit left. While any
+        # does, even for share credit only, the holder's turns end as theirs
+        # do, with a drain, and it takes more of them (it may be granted again
+        # at once), not longer ones: else the smaller share would pay a
+        # drain's cost per turn more often than the larger for the same GPU time.
+        waiting_company = {n for n in waiting - {holder}
+                           if self._rates[n][0] > 0 and self._accounts[n].cap_credit >= 0}
         others = {n for n in waiting - {holder}
-                  if self._eligible(n) or (lend and self._rates[n][0] > 0
-                                           and self._accounts[n].cap_credit >= 0)}
-        # ... and those that wait for share credit only: while they do, the
-        # holder's turns end as theirs do, with a drain, and it takes more of
-        # them (it may be granted again at once), not longer ones: else the
-        # smaller share would pay a drain's cost per turn more often than the
-        # larger for the same GPU time.
-        takes_turns = others or any(self._rates[n][0] > 0 and self._accounts[n].cap_credit >= 0
-                              for n in waiting - {holder})
+                  if self._eligible(n) or (lend and n in waiting_company)}
+        takes_turns = bool(others or waiting_company)
         idle = now - self._accounts[holder].last_active >= self.idle_grace
         preempted = not self._allot[holder].preempts and any(
             self._allot[n].preempts and self._eligible(n) for n in others)

@@ -100,7 +100,8 @@ class Engine:
         self.host.echo("0/max_inst", max_inst)
         self.host.echo("0/policy", policy)
         self.runs += 1
-        return measure(self.host, workloads, seconds or self.seconds, suffix=f"-{self.runs}")
+        return measure(self.host, workloads, self.seconds if seconds is None else seconds,
+                       suffix=f"-{self.runs}")
 
     def solo_rate(self, us: int) -> float:
         if us not in self.solo:
