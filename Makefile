@@ -19,7 +19,7 @@ APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd kmod util-l
 C_DIRS := simgpu libcgpu
 TIERS := unit integration system
 
-.PHONY: all setup apt venv build $(C_DIRS) demo check test $(TIERS:%=test-%) lint bench \
+.PHONY: all setup apt venv build $(C_DIRS) demo check test $(TIERS:%=test-%) lint bench fuzz \
 	clean $(C_DIRS:%=clean-%) clean-kmod
 
 all: build
@@ -74,6 +74,11 @@ test: setup lint
 
 bench: setup
 	$(PY) -m tests.bench
+
+# Property tests with new random examples, many more of them (make test draws the
+# same ones every run): a failure found here becomes an @example.
+fuzz: venv build
+	CGPU_HYPOTHESIS=explore tools/as-user.sh $(PYTEST) -m unit --timeout=1800 tests
 
 clean: $(C_DIRS:%=clean-%) clean-kmod
 	rm -rf $(VENV) *.egg-info build

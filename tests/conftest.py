@@ -24,8 +24,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from cgpu_km.children import stop_child
+
+# `make test` gives the same result on the same tree: property tests draw the same
+# examples every run. `make fuzz` explores (CGPU_HYPOTHESIS=explore): new examples,
+# many more of them; what it finds becomes an @example.
+hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+hypothesis_settings.register_profile("explore", max_examples=2000, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("CGPU_HYPOTHESIS", "ci"))
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

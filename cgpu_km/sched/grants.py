@@ -1,0 +1,111 @@
+"""When each container of one GPU may run work: the scheduler's grants as a step
+function of time, for the daemon's check of what the driver saw each process do.
+
+A container may run while its gate is open or armed, while it drains after its
+gate closed (its drain answer not seen yet), and while it is late (cut, or
+handed over from): every span the scheduler charges it for, or knows it runs
+beside the holder. The dispatcher records the set at every step that changes
+it (`GrantLog.record`), and marks itself alive at every step and heartbeat
+(`GrantLog.alive`): a gap longer than `BLIND_AFTER` is a span in which the
+gates may have failed open, so nothing is known of it. Under policy 5 every
+container may run (`EVERYONE`). No I/O and no clock here: times are seconds
+of the caller's monotonic clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["BLIND_AFTER", "EVERYONE", "GrantHistory", "GrantLog"]
+
+EVERYONE = None  # a mark under which every container may run (policy 5, a gate failed open)
+# The dispatcher steps or stamps the heartbeat at least every 0.75 s; gates fail
+# open when it is 2 s old. A gap of more than this is a span nothing is known of.
+BLIND_AFTER = 1.0
+
+Mark = tuple[float, frozenset[str] | None]
+
+
+@dataclass(frozen=True)
+class GrantHistory:
+    """An immutable copy of a `GrantLog`: `marks` in time order, each set in
+    force from its time to the next mark's; `blind` spans are unknown, and so is
+    everything before `start`."""
+
+    start: float
+    marks: tuple[Mark, ...]
+    blind: tuple[tuple[float, float], ...] = ()
+
+    def allowed(self, name: str, begin: float, end: float) -> float | None:
+        """Seconds of [begin, end] in which `name` might run; None when that span
+        is not wholly known (before the log began, a blind span, or a mark
+        under which everyone may run)."""
+        if end <= begin:
+            return 0.0
+        if begin < self.start:
+            return None
+        if any(a < end and begin < b for a, b in self.blind):
+            return None
+        times = [t for t, _ in self.marks]
+        first = max(bisect.bisect_right(times, begin) - 1, 0)
+        total = 0.0
+        for index in range(first, len(self.marks)):
+            at, who = self.marks[index]
+            if at >= end:
+                break
+            until = self.marks[index + 1][0] if index + 1 < len(self.marks) else end
+            span = min(until, end) - max(at, begin)
+            if span <= 0:
+                continue
+            if who is EVERYONE:
+                return None
+            if name in who:
+                total += span
+        return total
+
+
+class GrantLog:
+    """The dispatcher's record of who may run, kept for `horizon` seconds."""
+
+    def __init__(self, start: float, horizon: float = 30.0) -> None:
+        self.start = start
+        self.horizon = horizon
+        self._marks: collections.deque[Mark] = collections.deque([(start, frozenset())])
+        self._blind: collections.deque[tuple[float, float]] = collections.deque()
+        self._alive_at = start
+
+    def record(self, now: float, may_run: Iterable[str] | None) -> None:
+        """From `now` on, these may run (EVERYONE: all of them)."""
+        who = None if may_run is EVERYONE else frozenset(may_run)
+        self.alive(now)
+        if self._marks[-1][1] == who:
+            return
+        if self._marks[-1][0] >= now:  # two steps at one instant: the later one counts
+            self._marks.pop()
+        self._marks.append((now, who))
+        self._forget(now)
+
+    def alive(self, now: float) -> None:
+        """The dispatcher stepped or beat at `now`."""
+        if now - self._alive_at > BLIND_AFTER:
+            self._blind.append((self._alive_at, now))
+        self._alive_at = max(self._alive_at, now)
+
+    def _forget(self, now: float) -> None:
+        cutoff = now - self.horizon
+        while len(self._marks) > 1 and self._marks[1][0] <= cutoff:
+            self._marks.popleft()
+        while self._blind and self._blind[0][1] <= cutoff:
+            self._blind.popleft()
+        self.start = max(self.start, min(cutoff, self._marks[0][0]))
+
+    def history(self, now: float) -> GrantHistory:
+        """What is known up to `now` (a dispatcher silent since its last sign of
+        life for longer than BLIND_AFTER: blind from then on)."""
+        blind = tuple(self._blind)
+        if now - self._alive_at > BLIND_AFTER:
+            blind += ((self._alive_at, float("inf")),)
+        return GrantHistory(start=self.start, marks=tuple(self._marks), blind=blind)

@@ -1,0 +1,183 @@
+"""The compute check's rules: NVML-like samples against the scheduler's grants.
+
+Samples are made here the way NVML makes them (and simgpu imitates): one per
+process per period on a phase of its own, the percent of the period in which
+it ran, times a bias of 0.7 to 1.4, whole percents capped at 100, none for a
+period in which it did not run.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from cgpu_km.sched.grants import BLIND_AFTER, EVERYONE, GrantHistory, GrantLog
+from cgpu_km.sched.overuse import Judge, Sample
+
+PERIOD = 1 / 6
+GPU = 0
+A, B = (GPU, "a"), (GPU, "b")
+
+
+def alternating(log: GrantLog, until: float, turns: dict[str, float], start: float = 0.0
+                ) -> None:
+    """Each container in `turns` holds the GPU for its turn, in order, until `until`."""
+    t = start
+    while t < until:
+        for name, turn in turns.items():
+            log.record(t, {name})
+            t += turn
+
+
+def samples_of(history: GrantHistory, key: tuple[int, str], pid: int, until: float, *,
+               run: float, bias: float, phase: float = 0.0, beside: float = 0.0,
+               start: float = 0.0) -> list[Sample]:
+    """NVML's samples of a process that runs `run` of the time its container may
+    run, and `beside` of the rest (an attacker past the gate)."""
+    found = []
+    end = start + phase + PERIOD
+    while end <= until:
+        allowed = history.allowed(key[1], end - PERIOD, end)
+        assert allowed is not None
+        ran = run * allowed + beside * (PERIOD - allowed)
+        percent = min(100, math.floor(100 * bias * ran / PERIOD))
+        if percent:
+            found.append(Sample(key, pid, end, percent))
+        end += PERIOD
+    return found
+
+
+def judged(judge: Judge, history: GrantHistory, samples: list[Sample], until: float,
+           launched_at: dict[tuple[tuple[int, str], int], float | None]) -> list[tuple]:
+    """Every verdict of a check every half second, samples read as they come."""
+    verdicts = []
+    pending = sorted(samples, key=lambda s: s.end)
+    now = 0.5
+    while now <= until:
+        judge.add(GPU, [s for s in pending if now - 0.5 < s.end <= now])
+        verdicts += [(v.key, v.pids, bool(v.outside))
+                     for v in judge.judge(GPU, now, history, launched_at)]
+        now += 0.5
+    return verdicts
+
+
+def test_the_log_answers_the_seconds_each_container_might_run() -> None:
+    log = GrantLog(0.0)
+    log.record(1.0, {"a"})
+    log.record(2.0, {"a", "b"})
+    log.record(3.0, set())
+    history = log.history(3.5)
+    assert history.allowed("a", 0.5, 3.5) == 2.0
+    assert history.allowed("b", 0.5, 3.5) == 1.0
+    assert history.allowed("b", 3.0, 3.5) == 0.0
+    assert history.allowed("a", -1.0, 1.0) is None  # before the log began
+
+
+def test_a_silent_dispatcher_is_a_blind_span_and_policy_5_is_unknown() -> None:
+    log = GrantLog(0.0)
+    log.record(0.5, {"a"})
+    log.alive(0.5 + BLIND_AFTER + 0.5)  # the gates may have failed open meanwhile
+    log.record(3.0, EVERYONE)
+    history = log.history(4.0)
+    assert history.allowed("b", 0.1, 0.4) == 0.0
+    assert history.allowed("b", 1.0, 1.5) is None
+    assert history.allowed("b", 3.1, 3.5) is None
+    assert log.history(4.0 + 2 * BLIND_AFTER).allowed("b", 3.9, 5.0) is None
+
+
+def test_an_honest_pair_at_one_to_one_read_high_is_never_judged() -> None:
+    log = GrantLog(0.0)
+    alternating(log, 12.0, {"a": 0.02, "b": 0.02})
+    history = log.history(12.0)
+    samples = (samples_of(history, A, 10, 12.0, run=1.0, bias=1.4, phase=0.05)
+               + samples_of(history, B, 20, 12.0, run=1.0, bias=1.4, phase=0.11))
+    judge = Judge()
+    assert judged(judge, history, samples, 12.0, {(A, 10): 11.9, (B, 20): 11.9}) == []
+
+
+def test_a_process_past_a_cap_is_judged_and_its_honest_neighbour_is_not() -> None:
+    """`a` is capped at a tenth (its grants: 20 ms of every 200); one of its processes
+    runs past the gate half the time, read as low as NVML may read it."""
+    log = GrantLog(0.0)
+    alternating(log, 12.0, {"a": 0.02, "b": 0.18})
+    history = log.history(12.0)
+    samples = (samples_of(history, A, 10, 12.0, run=0.5, bias=1.4, phase=0.03)
+               + samples_of(history, A, 11, 12.0, run=0.0, beside=0.5, bias=0.7, phase=0.07)
+               + samples_of(history, B, 20, 12.0, run=0.5, bias=1.0, phase=0.13))
+    verdicts = judged(Judge(), history, samples, 12.0,
+                      {(A, 10): 11.9, (A, 11): None, (B, 20): 11.9})
+    assert verdicts
+    assert verdicts[0] == (A, (11,), False)
+    assert all(pids == (11,) for _key, pids, _outside in verdicts)
+    assert len(verdicts) == 1  # judged once, then left out
+
+
+def test_use_while_no_grant_at_all_is_judged_whatever_it_reads() -> None:
+    """`b` holds the GPU alone for a second at a time; `a`'s attacker runs then too."""
+    log = GrantLog(0.0)
+    alternating(log, 12.0, {"a": 0.5, "b": 1.0})
+    history = log.history(12.0)
+    samples = (samples_of(history, A, 10, 12.0, run=1.0, bias=1.4, phase=0.02)
+               + samples_of(history, A, 11, 12.0, run=0.1, beside=0.1, bias=0.7, phase=0.09))
+    verdicts = judged(Judge(), history, samples, 12.0, {(A, 10): 11.9, (A, 11): 11.9})
+    assert verdicts == [(A, (11,), True)]
+
+
+def test_nothing_is_judged_where_the_gates_may_have_failed_open() -> None:
+    log = GrantLog(0.0)
+    log.record(0.0, {"b"})
+    log.alive(0.4)
+    log.alive(12.0)  # silent for 11.6 s: the gates failed open
+    history = log.history(12.0)
+    samples = [Sample(A, 11, 0.5 + k * PERIOD, 90) for k in range(60)]
+    assert judged(Judge(), history, samples, 12.0, {(A, 11): None}) == []
+
+
+def test_the_sample_period_is_bounded_by_the_samples_spacing() -> None:
+    judge = Judge()
+    assert judge.periods(GPU) == (PERIOD, 1.0)  # NVML's documented range
+    judge.add(GPU, [Sample(A, 10, 1.0 + k * 0.5, 50) for k in range(10)])
+    assert judge.periods(GPU) == (PERIOD, 0.5)  # a process that ran every third period
+    judge.add(GPU, [Sample(B, 20, 1.0 + k * 0.1, 50) for k in range(10)])
+    low, high = judge.periods(GPU)
+    assert math.isclose(low, 0.1)
+    assert math.isclose(high, 0.1)
+
+
+@given(turns=st.lists(st.floats(0.005, 0.4), min_size=2, max_size=8),
+       runs=st.lists(st.floats(0.0, 1.0), min_size=2, max_size=4),
+       biases=st.lists(st.floats(0.7, 1.4), min_size=2, max_size=4),
+       phases=st.lists(st.floats(0.0, PERIOD), min_size=2, max_size=4))
+@example(turns=[0.125, 0.125, 0.25, 0.25], runs=[0.0, 1.0], biases=[1.0, 1.0],
+         phases=[0.0, 0.0])  # the period was once learned from a resting process's gaps
+@example(turns=[0.1484375, 0.3515625], runs=[1.0, 0.0], biases=[1.0, 1.0],
+         phases=[0.0, 0.0])  # one sample every third period: the period is not the spacing
+@example(turns=[0.25, 0.25], runs=[1.0, 0.0, 1.0], biases=[1.4, 1.4, 1.4],
+         phases=[0.0, 0.0, 0.0])  # two processes of one container
+@example(turns=[0.02, 0.02], runs=[1.0, 1.0], biases=[1.4, 1.4], phases=[0.0, 0.0])
+@example(turns=[0.4, 0.005], runs=[1.0, 1.0], biases=[1.4, 1.4], phases=[0.1, 0.0])
+@settings(deadline=None)
+def test_honest_processes_are_never_judged(turns: list[float], runs: list[float],
+                                           biases: list[float], phases: list[float]) -> None:
+    """Containers take turns of any lengths; each process runs any part of its
+    container's turns (its processes together at most all of them), never
+    outside them, and is read as high as NVML may read it: nothing is judged."""
+    log = GrantLog(0.0)
+    names = [f"c{i}" for i in range(len(turns))]
+    alternating(log, 8.0, dict(zip(names, turns, strict=True)))
+    history = log.history(8.0)
+    samples = []
+    launched: dict[tuple[tuple[int, str], int], float | None] = {}
+    processes = list(zip(runs, biases, phases, strict=False))
+    ran: dict[str, float] = {}  # a container's processes share its turns
+    for index, (run, _bias, _phase) in enumerate(processes):
+        ran[names[index % len(names)]] = ran.get(names[index % len(names)], 0.0) + run
+    for index, (run, bias, phase) in enumerate(processes):
+        name = names[index % len(names)]
+        key = (GPU, name)
+        samples += samples_of(history, key, index, 8.0, run=run / max(1.0, ran[name]),
+                              bias=bias, phase=phase)
+        launched[key, index] = 7.9
+    assert judged(Judge(), history, samples, 8.0, launched) == []
