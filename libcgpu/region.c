@@ -1,9 +1,10 @@
 /*
  * region.c: the container's shared region seen from one process.
  *
- * Attach ($CGPU_REGION), claim and release this process's slot, reclaim the
- * slots of dead processes, the exact container-wide limit check, the eGPU
- * OOM path and the gate. See region.h for the rules that keep it lock free.
+ * Attach (the hook's /run/cgpu, else $CGPU_REGION), claim and release this
+ * process's slot, reclaim the slots of dead processes, the exact
+ * container-wide limit check, the eGPU OOM path and the gate. See region.h
+ * for the rules that keep it lock free.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -264,12 +265,46 @@ static void *map_file(const char *dir, const char *name, size_t size, int writab
     return map;
 }
 
-/* The region directory: the one the hook mounted into this container when it
- * is there (whatever the environment says: a process cannot opt out), else
- * $CGPU_REGION; NULL when neither names one. */
+/* Whether `path` is the root of a mount: 1 yes, 0 no, -1 when the kernel
+ * cannot tell (statx without STATX_ATTR_MOUNT_ROOT, before Linux 5.8, or
+ * statx refused by a seccomp filter). The last link of `path` is followed,
+ * as the hook's walk followed it when it mounted the file. */
+#ifndef STATX_ATTR_MOUNT_ROOT
+#define STATX_ATTR_MOUNT_ROOT 0x00002000 /* linux/stat.h of Linux 5.8 */
+#endif
+static int mount_root(const char *path)
+{
+    struct statx sx;
+    if (statx(AT_FDCWD, path, 0, STATX_INO, &sx) != 0)
+        return errno == ENOENT || errno == ENOTDIR ? 0 : -1;
+    if (!(sx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT))
+        return -1;
+    return (sx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
+}
+
+/* The region directory, by one rule (docs/design.md, "Which region"):
+ *
+ * 1. /run/cgpu when /run/cgpu/control is a mount point: the hook's bind
+ *    mount, so this process runs in a container the hook started, and no
+ *    environment can take it out of its region (an empty or forged
+ *    $CGPU_REGION changes nothing). Only the hook, or root on the host,
+ *    mounts a file there: the hook never mounts onto a filesystem that the
+ *    host also has mounted.
+ * 2. Else $CGPU_REGION when it is set and not empty (cgpu-run sets it): a
+ *    host job's region is the one it was given, whatever lies at /run/cgpu.
+ * 3. Else none: pass-through. A /run/cgpu/control that is a plain file (left
+ *    on a host's /run by anything) is no region.
+ *
+ * When the kernel cannot tell a mount point, an existing /run/cgpu/control
+ * counts as one (the rule before statx could tell): a container stays in
+ * its region. */
 static const char *region_dir(void)
 {
-    if (access(CGPU_CONTAINER_REGION_DIR "/" CGPU_CONTROL_NAME, F_OK) == 0)
+    static const char control[] = CGPU_CONTAINER_REGION_DIR "/" CGPU_CONTROL_NAME;
+    int mounted = mount_root(control);
+    if (mounted < 0)
+        mounted = access(control, F_OK) == 0;
+    if (mounted)
         return CGPU_CONTAINER_REGION_DIR;
     const char *dir = getenv("CGPU_REGION");
     return dir != NULL && dir[0] != '\0' ? dir : NULL;

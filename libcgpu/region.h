@@ -88,7 +88,8 @@
  * device's used memory before and after, from NVML) and charge that. */
 #define CGPU_CTX_MEASURE UINT64_MAX
 /* Where a container finds its region (the OCI hook bind-mounts the two files
- * there). When it exists it is used whatever $CGPU_REGION says. */
+ * there). When control there is a mount point it is used whatever
+ * $CGPU_REGION says (region.c, region_dir). */
 #define CGPU_CONTAINER_REGION_DIR "/run/cgpu"
 #define CGPU_CONTROL_NAME "control"
 #define CGPU_ACCOUNT_NAME "account"
