@@ -8,17 +8,21 @@ prestart, for an enabled container:
   2. (the hook registers the container in the control tree)
   3. `inject_data_plane`: bind-mount libcgpu.so at CONTAINER_LIBRARY_PATH,
      the region's control part at /run/cgpu/control and its account part at
-     /run/cgpu/account (where libcgpu looks, whatever the environment says),
-     and an /etc/ld.so.preload that adds the library to the image's own, so
-     every dynamically linked process of the container loads it. A forked
-     child enters the container's mount namespace (its init is still before
-     pivot_root) and resolves each destination inside the rootfs as the
-     container will (cgpu_km.container.inroot): the image's links never lead
-     to the host, nor off the image's own filesystem. The image's own
-     ld.so.preload is read the same way, only as a regular file of at most
-     64 KiB. Then it checks from the container's side that each path names
-     the mounted file; an image that makes any of this impossible keeps the
-     container from starting, with one line naming the path and why.
+     /run/cgpu/account (a mount point there is where libcgpu looks, whatever
+     the environment says), and an /etc/ld.so.preload whose first line is
+     the library, so every dynamically linked process of the container loads
+     it before anything else. A forked child enters the container's mount
+     namespace (its init is still before pivot_root) and resolves each
+     destination inside the rootfs as the container will
+     (cgpu_km.container.inroot): the image's links never lead to the host,
+     nor off the image's own filesystem (a volume, or a tmpfs the host also
+     has mounted, is not the image's). The image's own ld.so.preload is read
+     the same way, only as a regular file of at most 64 KiB, and kept after
+     libcgpu only when it is clean text naming regular files of the image
+     (`parse_preload`). Then it checks from the container's side that each
+     path names the mounted file; an image that makes any of this impossible
+     keeps the container from starting, with one line naming the path (and
+     for its ld.so.preload the byte offset) and why.
 poststop (`remove_data_plane`): delete the region (the mounts go away with
 the container's mount namespace).
 """
@@ -28,8 +32,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,12 +59,73 @@ def rootfs_of(bundle: Path) -> Path:
     return root if root.is_absolute() else bundle / root
 
 
-def preload_text(own: bytes | None) -> bytes:
-    """The image's own ld.so.preload (`own`, None when it has none) with libcgpu
-    added once, as the last line."""
-    library = region_mod.CONTAINER_LIBRARY_PATH.encode()
-    lines = [line for line in (own or b"").splitlines() if line.strip() != library]
-    return b"\n".join([*lines, library]) + b"\n"
+PATH_MAX = 4096  # bytes of a path the loader opens, its NUL included
+_WORD = re.compile(rb"#[^\n]*|[^ \t\n:#]+")  # a comment, or a name between separators
+
+
+class PreloadError(inroot.InRootError):
+    """The image's ld.so.preload is not clean; `offset` is the byte at fault."""
+
+    def __init__(self, offset: int, message: str) -> None:
+        super().__init__(message)
+        self.offset = offset
+
+
+@dataclass(frozen=True)
+class PreloadEntry:
+    """One library an image's ld.so.preload names, at byte `offset` of the file."""
+
+    offset: int
+    path: str
+
+    def shown(self) -> str:
+        """The name as an error line shows it (long ones cut)."""
+        return self.path if len(self.path) <= 80 else self.path[:77] + "..."
+
+    def where(self) -> str:
+        return f"{PRELOAD_AT} in the image names {self.shown()} at offset {self.offset}"
+
+
+def parse_preload(data: bytes) -> list[PreloadEntry]:
+    """The libraries an image's ld.so.preload names, in its order, read as
+    glibc's loader reads the file: names separated by spaces, tabs, newlines
+    or ':', and a '#' starts a comment that ends with its line. The file must
+    be clean, else PreloadError: every byte printable ASCII, a tab or a
+    newline (the loader stops reading at a NUL, and binary bytes are no
+    names), the first one that is not named by its offset; then every name
+    an absolute path, without a '$' (which the loader would expand), shorter
+    than PATH_MAX, the first one that is not named by its offset."""
+    for offset, byte in enumerate(data):
+        if byte == 0:
+            raise PreloadError(offset, f"{PRELOAD_AT} in the image has a NUL byte at "
+                                       f"offset {offset}")
+        if not (0x20 <= byte < 0x7F or byte in b"\t\n"):
+            raise PreloadError(offset, f"{PRELOAD_AT} in the image has the byte 0x{byte:02x} "
+                                       f"at offset {offset}, which is not printable text")
+    entries = []
+    for match in _WORD.finditer(data):
+        word = match.group()
+        if word.startswith(b"#"):
+            continue
+        entry = PreloadEntry(match.start(), word.decode("ascii"))
+        if not word.startswith(b"/"):
+            raise PreloadError(entry.offset, f"{entry.where()}, which is not an absolute path")
+        if b"$" in word:
+            raise PreloadError(entry.offset, f"{entry.where()}, which has a $ that the loader "
+                                             "would expand")
+        if len(word) >= PATH_MAX:
+            raise PreloadError(entry.offset, f"{entry.where()}, which is longer than "
+                                             f"{PATH_MAX - 1} bytes")
+        entries.append(entry)
+    return entries
+
+
+def preload_text(own: Sequence[str]) -> bytes:
+    """The container's ld.so.preload: libcgpu first, then the image's own
+    libraries `own` (checked, see `parse_preload`), each once, one a line."""
+    library = region_mod.CONTAINER_LIBRARY_PATH
+    lines = list(dict.fromkeys(path for path in own if path != library))
+    return "\n".join([library, *lines]).encode() + b"\n"
 
 
 _READ_ONLY = (inroot.MOUNT_ATTR_RDONLY | inroot.MOUNT_ATTR_NOSUID | inroot.MOUNT_ATTR_NODEV)
@@ -105,16 +171,48 @@ def _verify(root: inroot.Root, placement: Placement, identity: tuple[int, int]) 
                                  f"mounted there")
 
 
+def _kept(root: inroot.Root, entry: PreloadEntry, library: tuple[int, int]) -> bool:
+    """Whether the image's own preload `entry` follows libcgpu (False: it is
+    libcgpu). Looked up after the mounts, as the loader will find it: it must
+    be a regular file of the image's own, else InRootError naming its offset."""
+    if entry.path == region_mod.CONTAINER_LIBRARY_PATH:
+        return False
+    inside = f"{entry.path} in the image "
+    try:
+        if root.identity(entry.path) == library:
+            return False
+        found = root.image_file(entry.path)
+    except inroot.InRootError as error:
+        why = str(error)
+        if not why.startswith(inside):
+            raise
+        raise inroot.InRootError(f"{entry.where()}, which {why.removeprefix(inside)}") from None
+    except OSError as error:
+        raise inroot.InRootError(f"{entry.where()}, which cannot be read: "
+                                 f"{error.strerror}") from None
+    if found is None:
+        raise inroot.InRootError(f"{entry.where()}, which is not in the image")
+    return True
+
+
 def place_in_namespace(ns_fd: int, rootfs: Path, preload_fd: int,
-                       prepared: list[tuple[Placement, int, tuple[int, int]]]) -> None:
-    """In the container's mount namespace (this process enters it): write the
-    preload file, mount every file where the container will find it, check."""
+                       prepared: list[tuple[Placement, int, tuple[int, int]]],
+                       host: frozenset[str] = frozenset()) -> None:
+    """In the container's mount namespace (this process enters it): read the
+    image's own preload file, mount every file where the container will find
+    it, write the preload file (libcgpu first, then the image's own libraries
+    as the mounts left them), check. `host`: the filesystems the host's mount
+    namespace has mounted (`inroot.host_devices`)."""
     inroot.enter_mount_namespace(ns_fd)
-    root = inroot.Root(os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-    os.ftruncate(preload_fd, 0)
-    os.pwrite(preload_fd, preload_text(root.read_small_file(PRELOAD_AT)), 0)
+    root = inroot.Root(os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), host)
+    own = parse_preload(root.read_small_file(PRELOAD_AT) or b"")
     for placement, tree, _ in prepared:
         _place(root, placement, tree)
+    library = next(identity for placement, _, identity in prepared
+                   if placement.at == region_mod.CONTAINER_LIBRARY_PATH)
+    kept = [entry.path for entry in own if _kept(root, entry, library)]
+    os.ftruncate(preload_fd, 0)
+    os.pwrite(preload_fd, preload_text(kept), 0)
     for placement, _, identity in prepared:
         _verify(root, placement, identity)
 
@@ -161,6 +259,7 @@ def mount_into(pid: int, rootfs: Path, library: Path, region: Path) -> None:
                              | os.O_CLOEXEC, 0o644)
         fds.append(preload_fd)
         os.fchmod(preload_fd, 0o644)
+        host = inroot.host_devices()  # read here, in the host's mount namespace
         prepared = []
         for placement in placements(library, region):
             source = os.open(placement.source, os.O_PATH | os.O_CLOEXEC)
@@ -175,7 +274,7 @@ def mount_into(pid: int, rootfs: Path, library: Path, region: Path) -> None:
         raise InjectError(f"preparing the mounts for the container failed: {error}") from None
     try:
         failure = _in_child(functools.partial(place_in_namespace, ns_fd, rootfs, preload_fd,
-                                              prepared))
+                                              prepared, host))
     finally:
         for fd in fds:
             os.close(fd)

@@ -12,11 +12,14 @@ mounted.
 
 Every folder walked through must be on the root filesystem's own mount, or
 on a tmpfs the runtime made for the container alone (ctr's /run, a
-`--tmpfs`: mounted from its own root, not shared with any other mount, and
-not /dev, whose /dev/shm a runtime may share with the host). A link that
-leads onto /dev, /proc, /sys (which the runtime mounts, and which differ
-between host and container) or onto a volume of the host is refused, so
-nothing is ever created, truncated or mounted off the container's own files.
+`--tmpfs`: mounted from its own root, not shared with any other mount, not
+/dev, whose /dev/shm a runtime may share with the host, and a filesystem the
+host's mount namespace does not have mounted anywhere: a bind of the host's
+/run or /dev/shm, or a memory-backed emptyDir, is a tmpfs the host has too).
+A link that leads onto /dev, /proc, /sys (which the runtime mounts, and
+which differ between host and container) or onto a volume of the host is
+refused, so nothing is ever created, truncated or mounted off the
+container's own files.
 
 The mounts themselves use the new mount API (Linux 5.12+), through ctypes:
 `clone_tree` takes a detached copy of a host file's mount while the caller is
@@ -111,6 +114,7 @@ class MountInfo:
     root: str  # the path inside its filesystem that is mounted
     fstype: str
     shared: bool  # it has a peer group: mounts on it propagate elsewhere
+    device: str = ""  # its filesystem's st_dev as "major:minor"
 
 
 def parse_mountinfo(text: str) -> dict[int, MountInfo]:
@@ -124,14 +128,24 @@ def parse_mountinfo(text: str) -> dict[int, MountInfo]:
         if dash + 1 >= len(fields):
             continue
         shared = any(tag.startswith("shared:") for tag in fields[6:dash])
-        mounts[int(fields[0])] = MountInfo(fields[3], fields[dash + 1], shared)
+        mounts[int(fields[0])] = MountInfo(fields[3], fields[dash + 1], shared, fields[2])
     return mounts
 
 
-def container_tmpfs(info: MountInfo | None, path: str) -> bool:
-    """Whether a mount at `path` (in the container) is a tmpfs of its own."""
+def host_devices() -> frozenset[str]:
+    """The filesystems ("major:minor") mounted anywhere in this process's mount
+    namespace: called by the hook in the host's, before it enters a container's."""
+    mounts = parse_mountinfo(kernelview.read_proc("/proc/self/mountinfo"))
+    return frozenset(info.device for info in mounts.values())
+
+
+def container_tmpfs(info: MountInfo | None, path: str,
+                    host: frozenset[str] = frozenset()) -> bool:
+    """Whether a mount at `path` (in the container) is a tmpfs of its own: not
+    one whose filesystem the host (`host`, from `host_devices`) has mounted."""
     return (info is not None and info.fstype == "tmpfs" and info.root == "/"
-            and not info.shared and path != "/dev" and not path.startswith("/dev/"))
+            and not info.shared and path != "/dev" and not path.startswith("/dev/")
+            and info.device not in host)
 
 
 def _kind(mode: int) -> str:
@@ -164,18 +178,23 @@ class Entry:
 
 
 class Root:
-    """The container's root filesystem, open as `fd` (in its mount namespace)."""
+    """The container's root filesystem, open as `fd` (in its mount namespace);
+    `host`: the filesystems mounted in the host's mount namespace
+    (`host_devices`), which no folder walked through may be on, but the
+    root filesystem's own mount."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, host: frozenset[str] = frozenset()) -> None:
         self.fd = fd
         self.mount = mount_id(fd)
+        self.host = host
         # Mount points are named by the image too (Docker mounts its VOLUMEs), in
         # any bytes: read_proc keeps those that are not UTF-8.
         self.mounts = parse_mountinfo(kernelview.read_proc("/proc/self/mountinfo"))
 
     def _on_image(self, fd: int, path: str, asked: str, link: str | None) -> None:
         mount = mount_id(fd)
-        if mount != self.mount and not container_tmpfs(self.mounts.get(mount), path):
+        if mount != self.mount and not container_tmpfs(self.mounts.get(mount), path,
+                                                       self.host):
             via = f"is a link to {link}, which leads to" if link else "is on"
             raise InRootError(f"{asked} in the image {via} {path or '/'}, a mount that is not "
                               "the image's own filesystem")
@@ -309,6 +328,17 @@ class Root:
         if len(data) > cap:
             raise InRootError(f"{asked} in the image is larger than {cap >> 10} KiB")
         return data
+
+    def image_file(self, asked: str) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the regular file of the image's own at `asked`,
+        None when nothing is there. Anything else (a folder, a device, a mount,
+        a path off the image) is InRootError."""
+        with self._existing(asked) as entry:
+            if entry is None or entry.fd is None:
+                return None
+            self._image_file(asked, entry)
+            found = os.fstat(entry.fd)
+            return found.st_dev, found.st_ino
 
     def identity(self, asked: str) -> tuple[int, int] | None:
         """(st_dev, st_ino) of what `asked` names now, following mounts; None if absent."""

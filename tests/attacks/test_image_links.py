@@ -1,4 +1,6 @@
-"""Images that hold links at the paths cgpu-hook places files at (issue 19, items 1, 2).
+"""Images that hold links at the paths cgpu-hook places files at (issue 19, items 1, 2),
+an own ld.so.preload that is not clean text naming the image's own files, and
+volumes of a filesystem the host has mounted too (issue 36, items 4, 5).
 
 Each image is a copy of the attack rootfs with one edit: a link at
 /etc/ld.so.preload, /etc, /run/cgpu, the library's folder or the library,
@@ -31,7 +33,7 @@ import pytest
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.tree import client as treefs
 from tests.attacks.hostfiles import HostFiles, host_files
-from tests.attacks.node import HOOK, NOBODY, SETPRIV, Node, fields
+from tests.attacks.node import HOOK, NOBODY, SETPRIV, Container, Node, fields
 
 LIMIT = 256 << 20
 CGPU_256 = {"ALIYUN_COM_GPU_MEM_CONTAINER": "256", "ALIYUN_COM_GPU_MEM_DEV": "15109"}
@@ -87,6 +89,20 @@ def preload_zero_device(rootfs: Path) -> None:
 
 def preload_too_large(rootfs: Path) -> None:
     (rootfs / "etc" / "ld.so.preload").write_text("#" * (64 << 10) + "\n")
+
+
+def preload(data: bytes, *edits: Edit) -> Edit:
+    """An image whose own /etc/ld.so.preload holds `data` (after `edits`)."""
+    def edit(rootfs: Path) -> None:
+        for one in edits:
+            one(rootfs)
+        (rootfs / "etc" / "ld.so.preload").write_bytes(data)
+    return edit
+
+
+def names(path: str, offset: int, why: str) -> str:
+    """The refusal of an image's preload whose name at `offset` is not its own file."""
+    return f"/etc/ld.so.preload in the image names {path} at offset {offset}, which {why}"
 
 
 # (name, the image's edit with {secret} and {sentinel} to fill, None when the
@@ -149,6 +165,28 @@ REFUSED = [
      "image's own filesystem"),
     ("library -> preload", lambda h: link(LIBRARY, "/etc/ld.so.preload"),
      "/etc/ld.so.preload in the image is a mount, not a file of the image's own filesystem"),
+    # issue 36, item 4: the image's own preload is clean text naming its own files
+    ("preload is one NUL byte", lambda h: preload(b"\0"),
+     "/etc/ld.so.preload in the image has a NUL byte at offset 0"),
+    ("preload with binary bytes", lambda h: preload(b"/bin/busybox\n\x7fELF\x02\x01\n"),
+     "/etc/ld.so.preload in the image has the byte 0x7f at offset 13, which is not "
+     "printable text"),
+    ("preload names a relative library", lambda h: preload(b"# own\nlibown.so\n"),
+     names("libown.so", 6, "is not an absolute path")),
+    ("preload names a missing library", lambda h: preload(b"/bin/busybox /usr/lib/none.so"),
+     names("/usr/lib/none.so", 13, "is not in the image")),
+    ("preload names a folder", lambda h: preload(b"/etc\n"),
+     names("/etc", 0, "is a folder, not a file")),
+    ("preload names a file on /dev", lambda h: preload(b"/bin/busybox:/dev/shm/x.so"),
+     names("/dev/shm/x.so", 13, "is on /dev, a mount that is not the image's own filesystem")),
+    ("preload names a file of a host volume", lambda h: preload(b"/out/x.so"),
+     names("/out/x.so", 0, "is on /out, a mount that is not the image's own filesystem")),
+    ("preload names a link to /proc", lambda h: preload(
+        b"/usr/lib/self.so\n", link("/usr/lib/self.so", "/proc/self/exe")),
+     names("/usr/lib/self.so", 0, "is a link to /proc/self/exe, which leads to /proc, a mount "
+           "that is not the image's own filesystem")),
+    ("preload names the account part", lambda h: preload(b"/run/cgpu/account\n"),
+     names("/run/cgpu/account", 0, "is a mount, not a file of the image's own filesystem")),
 ]
 
 
@@ -188,10 +226,39 @@ def test_an_image_link_off_the_image_refuses_the_start_with_one_line(
     host.untouched()
 
 
-def test_an_image_preload_of_its_own_is_kept_and_libcgpu_added(node: Node) -> None:
-    own = "# the image's own preload\n"
-    container = node.container(CGPU_256, files={"/etc/ld.so.preload": own + LIBRARY + "\n"})
-    assert container.sh("cat /etc/ld.so.preload").splitlines() == [own.strip(), LIBRARY]
+@pytest.fixture(scope="module")
+def own_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A library of the image's own, to preload."""
+    folder = tmp_path_factory.mktemp("own-library")
+    (folder / "own.c").write_text("int own_library_marker(void) { return 36; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "own.so"),
+                    str(folder / "own.c")], check=True)
+    return folder / "own.so"
+
+
+def loaded(container: Container) -> list[str]:
+    """The objects the loader maps for a process of the container, in its order."""
+    trace = container.sh("LD_TRACE_LOADED_OBJECTS=1 /attacker")
+    return [line.split()[0] for line in trace.splitlines() if line.startswith("\t/")]
+
+
+def test_an_image_preload_that_lists_its_own_library_first_gets_libcgpu_first(
+        node: Node, own_library: Path) -> None:
+    """The image lists its library before libcgpu (and libcgpu by another name, and its
+    library by a link): libcgpu is the first line and the first object the loader maps
+    after the program, the image's library follows, once."""
+    def image(rootfs: Path) -> None:
+        shutil.copy2(own_library, rootfs / "usr" / "lib" / "own.so")
+        link("/usr/lib/own-link.so", "own.so")(rootfs)
+        own = (f"# the image's own\n/usr/lib/own.so {LIBRARY}:"
+               "/usr/local/lib/cgpu/../cgpu/libcgpu.so\n/usr/lib/own-link.so\n")
+        (rootfs / "etc" / "ld.so.preload").write_text(own)
+
+    container = node.container(CGPU_256, image=image)
+    assert container.sh("cat /etc/ld.so.preload").splitlines() == [
+        LIBRARY, "/usr/lib/own.so", "/usr/lib/own-link.so"]
+    order = [path for path in loaded(container) if path in (LIBRARY, "/usr/lib/own.so")]
+    assert order == [LIBRARY, "/usr/lib/own.so"], loaded(container)
     assert container.run(f"alloc {LIMIT + 1}") == ["alloc rc=2"]
 
 
@@ -256,6 +323,60 @@ def test_a_tmpfs_of_the_container_s_own_takes_the_region(
     container = node.container(CGPU_256, image=make(host), mounts=[mount])
     assert container.run(f"alloc {LIMIT + 1}") == ["alloc rc=2"]
     assert container.sh("cat /etc/ld.so.preload").splitlines() == [LIBRARY]
+    host.untouched()
+
+
+@pytest.fixture
+def host_tmpfs() -> Iterator[Path]:
+    """A tmpfs mounted on the host (as kubelet mounts a memory-backed emptyDir)."""
+    folder = Path(tempfile.mkdtemp(prefix="cgpu-host-tmpfs-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=755", "none", str(folder)],
+                   check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+        folder.rmdir()
+
+
+def bind(source: str | Path, destination: str) -> dict[str, object]:
+    return {"destination": destination, "type": "bind", "source": str(source),
+            "options": ["bind", "rw"]}
+
+
+def on(asked: str, mount: str) -> str:
+    return f"{asked} in the image is on {mount}, {OFF_IMAGE}"
+
+
+@pytest.mark.parametrize(("source", "at", "message"), [
+    ("/run", "/run", on("/run/cgpu/control", "/run")),
+    ("/dev/shm", "/run", on("/run/cgpu/control", "/run")),
+    (None, "/run", on("/run/cgpu/control", "/run")),
+    (None, "/etc", on("/etc/ld.so.preload", "/etc")),
+], ids=["host /run at /run", "host /dev/shm at /run", "host tmpfs at /run",
+        "host tmpfs at /etc"])
+def test_a_volume_of_a_filesystem_the_host_has_mounted_is_refused(
+        node: Node, host: Host, host_tmpfs: Path, source: str | None, at: str,
+        message: str) -> None:
+    """The host's /run or /dev/shm bound into the container, or a tmpfs of the host (a
+    memory-backed emptyDir), is a volume like a disk's: the hook creates and mounts
+    nothing there, and the start is refused with one line."""
+    shared = Path(source) if source is not None else host_tmpfs
+    before = sorted(path.name for path in shared.iterdir())
+    container, code, errors = node.try_container(CGPU_256, mounts=[bind(shared, at)])
+    try:
+        assert code != 0
+        assert hook_message(errors) == [f"cgpu-hook: {message}; {UNENFORCEABLE}"], errors
+        assert not container.region_path.exists()
+        assert list(node.region_dir.iterdir()) == []
+    finally:
+        made = [path for path in ("cgpu", "ld.so.preload")
+                if path not in before and (shared / path).exists()]
+        for path in made:  # what a hook that got this wrong left on the host
+            subprocess.run(["rm", "-rf", str(shared / path)], check=False)
+    assert made == []
+    if source is None:
+        assert list(shared.iterdir()) == []
     host.untouched()
 
 

@@ -1,5 +1,5 @@
-"""Attacker images, mismatched GPU lists and the enforce mode under a real dockerd
-with cgpu-container-runtime (issue 19, items 1, 2, 6, 7).
+"""Attacker images, volumes, mismatched GPU lists and the enforce mode under a real
+dockerd with cgpu-container-runtime (issue 19, items 1, 2, 6, 7; issue 36, items 4, 5).
 
 Each image is built by the test with `docker build` from the test image, one
 Dockerfile line (`RUN ln -s ...`) away from it, as a tenant would make it.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,6 +126,50 @@ def test_an_image_whose_links_leave_it_is_refused_with_one_line(
     assert sim.registered() == NOTHING
     assert sim.leftovers() == []
     host.untouched()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-v", "/run:/run"], "/run/cgpu/control in the image is on /run, "),
+    (["-v", "/dev/shm:/run"], "/run/cgpu/control in the image is on /run, "),
+], ids=["host-run", "host-dev-shm"])
+def test_a_volume_the_host_has_mounted_too_is_refused_with_one_line(
+        docker: PrivateDocker, sim: SimHost, args: list[str], message: str) -> None:
+    """`docker run -v /run:/run` (issue 36, item 5): the host's own tmpfs is a volume,
+    and the hook makes nothing on it."""
+    shared = Path(args[-1].split(":")[0])
+    before = (shared / "cgpu").exists()
+    code, errors = start(docker, IMAGE, *args)
+    made = not before and (shared / "cgpu").exists()
+    if made:  # what a hook that got this wrong left on the host
+        subprocess.run(["rm", "-rf", str(shared / "cgpu")], check=False)
+    assert code != 0
+    assert hook_line(errors) == f"cgpu-hook: {message}{OFF_IMAGE}"
+    assert not made
+    assert sim.registered() == NOTHING
+    assert sim.leftovers() == []
+
+
+def test_a_tmpfs_of_the_container_s_own_at_run_takes_the_region(
+        docker: PrivateDocker, sim: SimHost) -> None:
+    """`--tmpfs /run` is mounted by the runtime for this container alone: it holds the
+    region, and the limit holds."""
+    code, errors = start(docker, IMAGE, "--tmpfs", "/run")
+    assert code == 0, errors
+    over = docker.docker("exec", "attack", *OVER)
+    assert f"total={LIMIT_6_OF_15}" in over.stdout, over.stdout + over.stderr
+    assert CUDA_OOM in over.stdout, over.stdout
+
+
+def test_an_image_whose_preload_is_one_nul_byte_is_refused_with_one_line(
+        docker: PrivateDocker, sim: SimHost) -> None:
+    """glibc's loader stops reading at a NUL: libcgpu's line after it would not be read."""
+    image = build(docker, "RUN printf '\\000' > /etc/ld.so.preload")
+    code, errors = start(docker, image)
+    assert code != 0
+    assert hook_line(errors) == ("cgpu-hook: /etc/ld.so.preload in the image has a NUL byte "
+                                 "at offset 0; libcgpu cannot be enforced")
+    assert sim.registered() == NOTHING
+    assert sim.leftovers() == []
 
 
 def test_gpu_lists_that_disagree_are_refused_and_an_unset_nvidia_list_made_to_agree(

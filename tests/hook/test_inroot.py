@@ -129,11 +129,20 @@ bad line
 def test_mountinfo_and_the_container_s_own_tmpfs() -> None:
     mounts = parse_mountinfo(MOUNTINFO)
     assert sorted(mounts) == [1, 2, 3, 4, 5, 6]
-    assert mounts[4] == MountInfo("/volumes/x", "ext4", True)
+    assert mounts[4] == MountInfo("/volumes/x", "ext4", True, "0:4")
     assert [container_tmpfs(mounts[i], path) for i, path in
             [(2, "/dev"), (2, "/dev/shm"), (3, "/run"), (4, "/data"), (5, "/tmp"),
              (6, "/proc")]] == [False, False, True, False, False, False]
     assert not container_tmpfs(None, "/run")
+
+
+def test_a_tmpfs_the_host_has_mounted_too_is_not_the_container_s_own() -> None:
+    """A bind of the host's /run or /dev/shm, a memory-backed emptyDir: the same
+    filesystem (major:minor) is mounted in the host's mount namespace."""
+    run = parse_mountinfo(MOUNTINFO)[3]
+    assert container_tmpfs(run, "/run", frozenset({"0:1", "0:5"}))
+    assert not container_tmpfs(run, "/run", frozenset({"0:1", "0:3"}))
+    assert not container_tmpfs(run, "/etc", frozenset({"0:3"}))
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare is not installed")
