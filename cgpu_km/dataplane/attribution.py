@@ -40,14 +40,25 @@ class Nvml:
             self.handles[int(self.nvml.nvmlDeviceGetIndex(handle))] = handle
 
     def memory_by_pid(self) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
-        """Bytes per (gpu, host pid) of the running compute processes, and used per GPU."""
+        """Bytes per (gpu, host pid) of the running compute processes, and used per GPU.
+
+        Every row counts: the sum of a pid's rows on a GPU. NVML may list one
+        process several times on one GPU, a row per context with that
+        context's memory (NVIDIA's driver does in some versions; simgpu does
+        for a process that loaded a second copy of libcuda, which has its own
+        contexts). Keeping one row would hide the others: a process that
+        allocated 3 GiB through a copy of libcuda opened with RTLD_DEEPBIND
+        and 64 MiB through libcgpu was held at 64 MiB. Were a driver to repeat
+        a process's whole figure in each row, the sum would overcount it: a
+        process stopped too soon, never one let over its limit."""
         procs: dict[tuple[int, int], int] = {}
         used: dict[int, int] = {}
         for gpu, handle in self.handles.items():
             with contextlib.suppress(self.nvml.NVMLError):
                 for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle):
                     size = proc.usedGpuMemory
-                    procs[gpu, int(proc.pid)] = int(size) if size is not None else 0
+                    key = gpu, int(proc.pid)
+                    procs[key] = procs.get(key, 0) + (int(size) if size is not None else 0)
             with contextlib.suppress(self.nvml.NVMLError):
                 used[gpu] = int(self.nvml.nvmlDeviceGetMemoryInfo(handle).used)
         return procs, used

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from cgpu_km.daemon.backstop import Grandfather, over_limit
 from cgpu_km.dataplane import kernelview
-from cgpu_km.dataplane.attribution import Attribution
+from cgpu_km.dataplane.attribution import Attribution, Nvml
 from cgpu_km.dataplane.kernelview import Host, Owner, ProcessInfo
 
 HOST = Host(pidns=100, cgroups={"0::": {"/"}, "4:memory": {"/", "/daemon"}})
@@ -242,3 +243,31 @@ def test_nsexec_refuses_an_owner_that_is_no_identity(owner: str, tmp_path: Path)
     assert result.returncode == 2
     assert "--owner is not a container identity" in result.stderr.splitlines()[-1]
     assert not marker.exists()
+
+
+class RepeatingNvml:
+    """Just enough of pynvml: one process listed once per context, as NVIDIA's driver
+    does in some versions (and simgpu for a process with two copies of libcuda)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[object]:
+        if handle == 1:
+            raise self.NVMLError("gone")
+        return [SimpleNamespace(pid=7, usedGpuMemory=3 << 30),
+                SimpleNamespace(pid=8, usedGpuMemory=None),
+                SimpleNamespace(pid=7, usedGpuMemory=64 << 20)]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: object) -> object:
+        return SimpleNamespace(used=5 << 30)
+
+
+def test_every_nvml_row_of_a_process_counts() -> None:
+    """Issue 36, item 2: 3 GiB through a copy of libcuda and 64 MiB through libcgpu are
+    3136 MiB, not the last row's 64."""
+    nvml = Nvml.__new__(Nvml)
+    nvml.nvml, nvml.handles = RepeatingNvml(), {0: 0, 1: 1}
+    procs, used = nvml.memory_by_pid()
+    assert procs == {(0, 7): (3 << 30) + (64 << 20), (0, 8): 0}
+    assert used == {0: 5 << 30, 1: 5 << 30}
