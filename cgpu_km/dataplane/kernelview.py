@@ -6,8 +6,11 @@ itself: the container's init at the OCI prestart hook, or `cgpu-run`'s job.
 It is the init's pid namespace and cgroup, which its processes cannot leave:
 runc gives them no CAP_SYS_ADMIN, and the cgroup file system is read-only
 inside. A host process belongs to the container when its pid namespace is
-the container's (or nested in it), or its cgroup is the container's (or
-below it). The host's own pid namespace and root cgroup identify nothing.
+the container's (or nested in it) and its cgroup is the container's (or
+below it): both must agree where the container has both, so containers
+that share one pid namespace each have their own processes, and a host
+process moved into a container's cgroup is not the container's. The
+host's own pid namespace and root cgroup identify nothing.
 """
 
 from __future__ import annotations
@@ -207,50 +210,99 @@ def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def belongs(info: ProcessInfo, owner: Owner, host: Host, proc: str = PROC) -> bool:
-    """Whether the kernel puts this process in the container `owner` names."""
-    if owner.pidns and owner.pidns != host.pidns:
-        if info.pidns == owner.pidns:
-            return True
-        if info.pidns != host.pidns and owner.pidns in pidns_ancestors(info.pid, proc):
-            return True
-    for key, top in owner.cgroups.items():
-        if top in ("", "/") or top in host.cgroups.get(key, ()):
-            continue  # the host's own cgroups name nothing
+def _pidns_known(owner: Owner, host: Host) -> bool:
+    """Whether the owner's pid namespace identifies it (not unknown, not the host's)."""
+    return bool(owner.pidns) and owner.pidns != host.pidns
+
+
+def _cgroups_known(owner: Owner, host: Host) -> dict[str, str]:
+    """The owner's cgroups that identify it: not the root, not the host's own."""
+    return {key: top for key, top in owner.cgroups.items()
+            if top not in ("", "/") and top not in host.cgroups.get(key, ())}
+
+
+def _cgroup_depth(info: ProcessInfo, cgroups: Mapping[str, str]) -> int:
+    """How closely these cgroups hold the process: the length of the longest one
+    it is in (or below), -1 when it is in none of them."""
+    depth = -1
+    for key, top in cgroups.items():
         path = info.cgroups.get(key)
         if path is not None and _under(path, top):
-            return True
-    return False
+            depth = max(depth, len(top.rstrip("/")))
+    return depth
+
+
+def belongs(info: ProcessInfo, owner: Owner, host: Host, proc: str = PROC) -> bool:
+    """Whether the kernel puts this process in the container `owner` names.
+
+    The pid namespace and the cgroup must both agree where both are known: the
+    process's pid namespace is the container's (or nested in it), and its
+    cgroup is one of the container's (or below it). A container that shares
+    its pid namespace with others (Kubernetes' shareProcessNamespace, Docker's
+    `--pid=container:`) has its own processes by its cgroup, and a host
+    process moved into a container's cgroup is not the container's. Where the
+    owner knows only one of them (`cgpu-run` records no cgroup; a container
+    in the host's pid namespace has none of its own), that one decides."""
+    pidns_known = _pidns_known(owner, host)
+    cgroups = _cgroups_known(owner, host)
+    if not pidns_known and not cgroups:
+        return False
+    if pidns_known and not (info.pidns == owner.pidns or (
+            info.pidns != host.pidns and owner.pidns in pidns_ancestors(info.pid, proc))):
+        return False
+    return not cgroups or _cgroup_depth(info, cgroups) >= 0
 
 
 class OwnerIndex:
     """Containers by what identifies them, to find a process's container fast:
     one dictionary lookup by pid namespace, the namespaces above it only when
-    that fails, then the cgroups. The same answers as `belongs`."""
+    that finds none, then the cgroups. The same answers as `belongs`: a
+    process is the container's that `belongs` puts it in. When several do
+    (containers that share a pid namespace with a cgroup below another's),
+    the one of its innermost pid namespace, then the one whose cgroup holds
+    it most closely; when that still leaves two, it is nobody's: never
+    guessed."""
 
     def __init__(self, owners: Mapping[str, Owner], host: Host, proc: str = PROC) -> None:
         self.host = host
         self.proc = proc
-        self.by_pidns = {owner.pidns: name for name, owner in owners.items()
-                         if owner.pidns and owner.pidns != host.pidns}
-        self.by_cgroup = [(key, top, name) for name, owner in owners.items()
-                          for key, top in owner.cgroups.items()
-                          if top not in ("", "/") and top not in host.cgroups.get(key, ())]
+        # pid namespace -> [(name, the cgroups that identify it)]
+        self.by_pidns: dict[int, list[tuple[str, dict[str, str]]]] = {}
+        # containers known by their cgroups alone (in the host's pid namespace)
+        self.by_cgroup: list[tuple[str, dict[str, str]]] = []
+        for name, owner in owners.items():
+            cgroups = _cgroups_known(owner, host)
+            if _pidns_known(owner, host):
+                self.by_pidns.setdefault(owner.pidns, []).append((name, cgroups))
+            elif cgroups:
+                self.by_cgroup.append((name, cgroups))
+
+    @staticmethod
+    def _closest(info: ProcessInfo, owners: list[tuple[str, dict[str, str]]]
+                 ) -> tuple[bool, str | None]:
+        """(whether any of `owners` holds the process, the one that holds it
+        most closely: None when two hold it alike)."""
+        best, name, tied = -2, None, False
+        for candidate, cgroups in owners:
+            depth = _cgroup_depth(info, cgroups) if cgroups else -1
+            if depth < 0 and cgroups:
+                continue
+            if depth > best:
+                best, name, tied = depth, candidate, False
+            elif depth == best and candidate != name:
+                tied = True
+        return best > -2, None if tied else name
 
     def find(self, info: ProcessInfo) -> str | None:
-        name = self.by_pidns.get(info.pidns)
-        if name is not None:
-            return name
-        if info.pidns != self.host.pidns and self.by_pidns:
+        held, name = self._closest(info, self.by_pidns.get(info.pidns, []))
+        if not held and info.pidns != self.host.pidns and self.by_pidns:
             for pidns in pidns_ancestors(info.pid, self.proc):
-                name = self.by_pidns.get(pidns)
-                if name is not None:
-                    return name
-        for key, top, name in self.by_cgroup:
-            path = info.cgroups.get(key)
-            if path is not None and _under(path, top):
-                return name
-        return None
+                held, name = self._closest(info, self.by_pidns.get(pidns, []))
+                if held:
+                    break
+        if not held:
+            held, name = self._closest(info, self.by_cgroup)
+        return name
 
 
 def all_pids(proc: str = PROC) -> Iterator[int]:

@@ -10,6 +10,7 @@ container's seccomp filter (copied from the process) and LSM label.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -97,8 +98,10 @@ def test_a_pid_reused_by_a_host_process_runs_no_script(node: Node, tmp_path: Pat
 
 
 def test_a_host_process_in_the_containers_cgroup_runs_no_script(tmp_path: Path) -> None:
-    """A host process put in the cgroup a container's owner names belongs to it by the
-    cgroup, but its mount and pid namespaces are the host's: nsexec refuses."""
+    """A host process put in the cgroup a container's owner names is not the container's
+    when the owner has a pid namespace of its own (both must agree). For a container in
+    the host's pid namespace, whose cgroup alone identifies it, the process belongs to it
+    by the cgroup, but its mount and pid namespaces are the host's: nsexec refuses."""
     hierarchy = Path("/sys/fs/cgroup/pids")
     if not (hierarchy / "cgroup.procs").exists():
         hierarchy = Path("/sys/fs/cgroup")  # cgroup v2
@@ -109,11 +112,13 @@ def test_a_host_process_in_the_containers_cgroup_runs_no_script(tmp_path: Path) 
     cgroup.mkdir()
     marker = tmp_path / "ran-on-the-host"
     try:
-        owner = kernelview.Owner(pidns=1, cgroups={key: f"/{cgroup.name}"})
+        owner = kernelview.Owner(pidns=0, cgroups={key: f"/{cgroup.name}"})
         with host_process(cgroup) as process:
             info = kernelview.process_info(process.pid)
             assert info is not None
-            assert kernelview.belongs(info, owner, kernelview.Host.read())
+            host = kernelview.Host.read()
+            assert not kernelview.belongs(info, dataclasses.replace(owner, pidns=1), host)
+            assert kernelview.belongs(info, owner, host)
             result = nsexec(process.pid, owner, "/bin/sh", "-c", f"touch {marker}")
     finally:
         with contextlib.suppress(OSError):

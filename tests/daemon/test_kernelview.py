@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from cgpu_km.daemon.backstop import Grandfather, over_limit
 from cgpu_km.dataplane import kernelview
-from cgpu_km.dataplane.attribution import Attribution, Nvml
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.dataplane.attribution import Attribution, Nvml, measure
 from cgpu_km.dataplane.kernelview import Host, Owner, ProcessInfo
+from cgpu_km.dataplane.registry import Registry
 
 HOST = Host(pidns=100, cgroups={"0::": {"/"}, "4:memory": {"/", "/daemon"}})
 
@@ -28,12 +30,91 @@ def info(pidns: int = 100, cgroups: dict[str, str] | None = None) -> ProcessInfo
                        cgroups=cgroups if cgroups is not None else {"0::": "/"})
 
 
-def test_a_container_is_its_pid_namespace_or_its_cgroup() -> None:
+def test_a_container_is_its_pid_namespace_and_its_cgroup() -> None:
+    """Where the owner has both, both must agree: a host process moved into the
+    container's cgroup is not the container's, nor is a process of its pid
+    namespace in another container's cgroup (a shared pid namespace)."""
     owner = Owner(pidns=200, cgroups={"0::": "/docker/abc", "4:memory": "/docker/abc"})
-    assert kernelview.belongs(info(pidns=200), owner, HOST)
-    assert kernelview.belongs(info(cgroups={"0::": "/docker/abc/sub"}), owner, HOST)
-    assert not kernelview.belongs(info(cgroups={"0::": "/docker/abcd"}), owner, HOST)
+    assert kernelview.belongs(info(pidns=200, cgroups={"0::": "/docker/abc"}), owner, HOST)
+    assert kernelview.belongs(info(pidns=200, cgroups={"0::": "/docker/abc/sub"}), owner, HOST)
+    assert kernelview.belongs(info(pidns=200, cgroups={"4:memory": "/docker/abc"}), owner, HOST)
+    assert not kernelview.belongs(info(pidns=200), owner, HOST), "another cgroup"
+    assert not kernelview.belongs(info(pidns=200, cgroups={"0::": "/docker/abcd"}), owner, HOST)
+    assert not kernelview.belongs(info(cgroups={"0::": "/docker/abc"}), owner, HOST), \
+        "a host process in the container's cgroup"
+    assert not kernelview.belongs(info(pidns=300, cgroups={"0::": "/docker/abc"}), owner, HOST)
     assert not kernelview.belongs(info(), owner, HOST)
+
+
+def test_what_the_owner_does_not_know_does_not_decide() -> None:
+    """`cgpu-run` records a pid namespace alone; a container in the host's pid
+    namespace (or one whose cgroups are the host's) has only the other."""
+    job = Owner(pidns=200, cgroups={})
+    assert kernelview.belongs(info(pidns=200, cgroups={"0::": "/anywhere"}), job, HOST)
+    assert not kernelview.belongs(info(cgroups={"0::": "/anywhere"}), job, HOST)
+    host_pid = Owner(pidns=100, cgroups={"0::": "/docker/abc"})
+    assert kernelview.belongs(info(cgroups={"0::": "/docker/abc/x"}), host_pid, HOST)
+    assert not kernelview.belongs(info(cgroups={"0::": "/docker/other"}), host_pid, HOST)
+    host_cgroups = Owner(pidns=200, cgroups={"0::": "/", "4:memory": "/daemon"})
+    assert kernelview.belongs(info(pidns=200, cgroups={"0::": "/elsewhere"}), host_cgroups, HOST)
+    assert not kernelview.belongs(info(cgroups={"4:memory": "/daemon"}), host_cgroups, HOST)
+
+
+SHARED = {"a": Owner(pidns=200, cgroups={"0::": "/pod/a"}),
+          "b": Owner(pidns=200, cgroups={"0::": "/pod/b"})}
+
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+def test_containers_that_share_a_pid_namespace_each_have_their_own(
+        order: tuple[str, str]) -> None:
+    """Kubernetes' shareProcessNamespace, Docker's --pid=container: the cgroup decides,
+    whatever order the containers come in; a process in neither cgroup is nobody's."""
+    index = kernelview.OwnerIndex({name: SHARED[name] for name in order}, HOST)
+    assert index.find(info(pidns=200, cgroups={"0::": "/pod/a"})) == "a"
+    assert index.find(info(pidns=200, cgroups={"0::": "/pod/b/sub"})) == "b"
+    assert index.find(info(pidns=200, cgroups={"0::": "/pod/c"})) is None
+    assert index.find(info(pidns=200, cgroups={"0::": "/pod"})) is None
+    assert index.find(info(pidns=100, cgroups={"0::": "/pod/a"})) is None, "a host process"
+
+
+def test_a_process_two_containers_hold_alike_is_nobodys() -> None:
+    """Two containers of one pid namespace and one cgroup cannot be told apart: neither
+    is guessed. A cgroup below the other's holds its processes more closely."""
+    same = {"a": SHARED["a"], "b": Owner(pidns=200, cgroups={"0::": "/pod/a"})}
+    assert kernelview.OwnerIndex(same, HOST).find(
+        info(pidns=200, cgroups={"0::": "/pod/a"})) is None
+    nested = {"a": SHARED["a"], "b": Owner(pidns=200, cgroups={"0::": "/pod/a/b"})}
+    index = kernelview.OwnerIndex(nested, HOST)
+    assert index.find(info(pidns=200, cgroups={"0::": "/pod/a/b/x"})) == "b"
+    assert index.find(info(pidns=200, cgroups={"0::": "/pod/a/x"})) == "a"
+
+
+OWNERS = st.builds(
+    Owner, pidns=st.sampled_from([0, 100, 200, 300]),
+    cgroups=st.dictionaries(st.sampled_from(["0::", "4:memory"]),
+                            st.sampled_from(["/", "/daemon", "/p", "/p/a", "/p/b", "/q"]),
+                            max_size=2))
+PROCESSES = st.builds(
+    lambda pidns, cgroups: info(pidns=pidns, cgroups=cgroups),
+    st.sampled_from([100, 200, 300, 400]),
+    st.dictionaries(st.sampled_from(["0::", "4:memory"]),
+                    st.sampled_from(["/", "/daemon", "/p", "/p/a", "/p/a/x", "/p/b", "/q"]),
+                    max_size=2))
+
+
+@given(st.dictionaries(st.sampled_from("abcd"), OWNERS, max_size=4), PROCESSES)
+def test_the_index_answers_as_belongs(owners: dict[str, Owner], process: ProcessInfo) -> None:
+    """The index names only a container `belongs` puts the process in, and names the
+    one when there is one."""
+    found = kernelview.OwnerIndex(owners, HOST, "/nonexistent").find(process)
+    holders = {name for name, owner in owners.items()
+               if kernelview.belongs(process, owner, HOST, "/nonexistent")}
+    if found is not None:
+        assert found in holders
+    if len(holders) == 1:
+        assert found in holders
+    if not holders:
+        assert found is None
 
 
 def test_the_hosts_namespace_and_cgroups_identify_nothing() -> None:
@@ -243,6 +324,56 @@ def test_nsexec_refuses_an_owner_that_is_no_identity(owner: str, tmp_path: Path)
     assert result.returncode == 2
     assert "--owner is not a container identity" in result.stderr.splitlines()[-1]
     assert not marker.exists()
+
+
+class RowsNvml:
+    """NVML's rows as `Nvml.memory_by_pid` returns them, for `measure`."""
+
+    def __init__(self, rows: dict[tuple[int, int], int]) -> None:
+        self.rows = rows
+
+    def memory_by_pid(self) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+        return dict(self.rows), {0: sum(self.rows.values())}
+
+
+def test_containers_sharing_a_pid_namespace_are_measured_apart(tmp_path: Path) -> None:
+    """A fake /proc: containers a and b share one pid namespace (one ns/pid inode), each in
+    a cgroup of its own. NVML's processes are each counted in their own container's; one of
+    that namespace in neither cgroup, and a host process moved into a's cgroup, are
+    nobody's."""
+    proc = tmp_path / "proc"
+    fake_process(proc, 1, start=1, uid=0)
+    (proc / "1" / "cgroup").write_text("0::/\n")
+    (proc / "self").symlink_to(proc / "1")
+    shared = tmp_path / "shared-pidns"  # the inode of the one pid namespace
+    shared.touch()
+    for pid, cgroup in ((501, "/pod/a"), (502, "/pod/b"), (601, "/pod/a"), (602, "/pod/b/x"),
+                        (603, "/pod/c"), (700, "/pod/a")):
+        fake_process(proc, pid, start=pid, uid=0)
+        (proc / str(pid) / "cgroup").write_text(f"0::{cgroup}\n")
+        (proc / str(pid) / "ns" / "pid").unlink()
+        # 700 is in the host's namespace: the host's process, moved into a's cgroup
+        os.link(proc / "1" / "ns" / "pid" if pid == 700 else shared,
+                proc / str(pid) / "ns" / "pid")
+    regions = tmp_path / "regions"
+    owners = {}
+    for name, init in (("a", 501), ("b", 502)):
+        region_mod.Region.create(regions / name, name, [region_mod.GpuSpec(512 << 20)]).close()
+        owner = kernelview.owner_of(init, str(proc))
+        assert owner is not None
+        kernelview.write_owner(regions / name, owner)
+        owners[name] = owner
+    assert owners["a"].pidns == owners["b"].pidns == shared.stat().st_ino
+    registry = Registry(regions)
+    registry.attach({0: {"a", "b"}})
+    rows = {(0, 601): 10, (0, 602): 20, (0, 603): 30, (0, 700): 40}
+    for _ in range(2):  # the second round from what the first one read
+        view = measure(registry, RowsNvml(rows), Attribution(str(proc)))  # type: ignore[arg-type]
+        assert {key: dict(found.procs) for key, found in view.by_container.items()} == {
+            (0, "a"): {601: 10}, (0, "b"): {602: 20}}
+        assert view.stray == {0: {603: 30, 700: 40}}
+    for entry in registry.all():
+        entry.region.close()
 
 
 class RepeatingNvml:
