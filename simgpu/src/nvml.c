@@ -394,7 +394,16 @@ struct proc_row {
     uint64_t mem;
 };
 
-/* Live processes holding a context on phys. Returns the count. */
+/* Live processes holding a context on phys, one row per process slot.
+ * Returns the count.
+ *
+ * A process has one slot per copy of this library it loaded: a second copy
+ * of libcuda.so.1 (another path, opened with RTLD_DEEPBIND, so that its
+ * calls stay inside it) has its own driver state and claims a slot of its
+ * own with the same pid. Such a process is listed twice, each row with its
+ * copy's memory. That is the assumption NVML's clients must hold: NVIDIA's
+ * driver lists a process once per context on a GPU in some versions, and
+ * NVML promises no one row per pid. */
 static unsigned compute_procs(int phys, struct proc_row *rows)
 {
     struct sim_state *s = sim_state();
