@@ -24,6 +24,16 @@ static_assert(sizeof(CUDA_ARRAY_DESCRIPTOR) == 24, "CUDA_ARRAY_DESCRIPTOR");
 static_assert(sizeof(CUDA_ARRAY3D_DESCRIPTOR) == 40, "CUDA_ARRAY3D_DESCRIPTOR");
 static_assert(sizeof(CUexecAffinityParam) == 8, "CUexecAffinityParam");
 static_assert(sizeof(CUctxCreateParams) == 24, "CUctxCreateParams");
+static_assert(sizeof(CUDA_MEMCPY2D) == 128, "CUDA_MEMCPY2D");
+static_assert(offsetof(CUDA_MEMCPY2D, dstXInBytes) == 56, "CUDA_MEMCPY2D.dstXInBytes");
+static_assert(sizeof(CUDA_MEMCPY3D) == 200, "CUDA_MEMCPY3D");
+static_assert(offsetof(CUDA_MEMCPY3D, dstXInBytes) == 88, "CUDA_MEMCPY3D.dstXInBytes");
+static_assert(offsetof(CUDA_MEMCPY3D, WidthInBytes) == 176, "CUDA_MEMCPY3D.WidthInBytes");
+static_assert(sizeof(CUDA_MEMCPY3D_PEER) == 200, "CUDA_MEMCPY3D_PEER");
+static_assert(offsetof(CUDA_MEMCPY3D_PEER, dstContext) == 152, "CUDA_MEMCPY3D_PEER.dstContext");
+static_assert(sizeof(CUDA_LAUNCH_PARAMS) == 56, "CUDA_LAUNCH_PARAMS");
+static_assert(offsetof(CUDA_LAUNCH_PARAMS, hStream) == 40, "CUDA_LAUNCH_PARAMS.hStream");
+static_assert(CU_MEMORYTYPE_DEVICE == 2 && CU_MEMORYTYPE_UNIFIED == 4, "CUmemorytype");
 static_assert(CUDA_ERROR_OUT_OF_MEMORY == 2 && CUDA_ERROR_NOT_FOUND == 500 &&
               CUDA_ERROR_NOT_READY == 600 && CUDA_ERROR_UNKNOWN == 999, "CUresult");
 static_assert(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT == 16 &&

@@ -134,6 +134,7 @@ static int g_initialized;
 static int g_ndev;
 static int g_map[SIM_MAX_DEVICES]; /* ordinal -> physical index */
 static uint64_t g_default_kernel_ns;
+static uint64_t g_copy_ns; /* engine time of a device-side copy or set */
 static unsigned g_queue_depth;
 static struct sim_alloc *g_allocs[ALLOC_BUCKETS];
 static struct sim_ctx *g_primary[SIM_MAX_DEVICES];
@@ -312,6 +313,7 @@ CUresult cuInit(unsigned int Flags)
         g_ndev = sim_visible_devices(getenv("CUDA_VISIBLE_DEVICES"), base, nbase, g_map,
                                      SIM_MAX_DEVICES);
         g_default_kernel_ns = sim_env_u64("SIMGPU_DEFAULT_KERNEL_US", SIM_DEFAULT_KERNEL_US) * 1000;
+        g_copy_ns = sim_env_u64("SIMGPU_COPY_US", 1) * 1000;
         g_queue_depth = (unsigned)sim_env_u64("SIMGPU_QUEUE_DEPTH", SIM_DEFAULT_QUEUE_DEPTH);
         if (g_queue_depth == 0)
             g_queue_depth = 1;
@@ -1412,14 +1414,165 @@ CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
     return copy_bytes(dstHost, DPTR(srcDevice), ByteCount, 1);
 }
 
+/* Device-side copies and sets (the forms a GPU runs as work, unlike the copies
+ * from and to the host above) also take their device's engine for
+ * SIMGPU_COPY_US (default 1), whatever their size, queued on their stream as a
+ * kernel is. Their bytes move at once, as above. The _ptds / _ptsz forms use
+ * the calling thread's default stream, which in simgpu is the legacy one. */
+static CUresult enqueue_kernel(struct sim_stream *s, uint64_t dur_ns);
+
+static CUresult engine_op(CUstream hStream)
+{
+    pthread_mutex_lock(&g_mu);
+    struct sim_stream *s = stream_of(hStream);
+    CUresult rc = s ? enqueue_kernel(s, g_copy_ns)
+                    : hStream ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* A copy on the device: the bytes, then the engine time. sync: the legacy
+ * stream's ordering (after the context's work). */
+static CUresult device_copy(void *dst, const void *src, size_t n, int sync, CUstream hStream)
+{
+    CUresult rc = copy_bytes(dst, src, n, sync);
+    return rc == CUDA_SUCCESS ? engine_op(hStream) : rc;
+}
+
+/* Rows of elements of `elem` bytes, each set to the value at `val`. */
+static CUresult set_rows(CUdeviceptr dst, size_t pitch, const void *val, size_t elem,
+                         size_t width, size_t height, int sync, CUstream hStream)
+{
+    REQUIRE_INIT();
+    if (width && height && (!dst || dst % elem || (height > 1 && pitch < width * elem)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sync) {
+        CUresult rc = sync_current();
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    for (size_t y = 0; y < height; y++) {
+        unsigned char *row = (unsigned char *)DPTR(dst) + y * pitch;
+        if (elem == 1)
+            memset(row, *(const unsigned char *)val, width);
+        else
+            for (size_t x = 0; x < width; x++)
+                memcpy(row + x * elem, val, elem);
+    }
+    return engine_op(hStream);
+}
+
+/* One side of a 2D or 3D copy: its memory and where the box starts. */
+struct copy_side {
+    CUmemorytype type;
+    const void *host;
+    CUdeviceptr device;
+    CUarray array;
+    size_t x, y, z, pitch, height;
+};
+
+static unsigned char *side_base(const struct copy_side *c)
+{
+    const unsigned char *base;
+    switch (c->type) {
+    case CU_MEMORYTYPE_HOST:
+        base = c->host;
+        break;
+    case CU_MEMORYTYPE_DEVICE:
+    case CU_MEMORYTYPE_UNIFIED:
+        base = DPTR(c->device);
+        break;
+    default:
+        return NULL; /* arrays: not simulated */
+    }
+    if (!base)
+        return NULL;
+    return (unsigned char *)base + (c->z * c->height + c->y) * c->pitch + c->x;
+}
+
+static CUresult copy_box(const struct copy_side *src, const struct copy_side *dst, size_t width,
+                         size_t height, size_t depth, int sync, CUstream hStream)
+{
+    REQUIRE_INIT();
+    if (src->type == CU_MEMORYTYPE_ARRAY || dst->type == CU_MEMORYTYPE_ARRAY)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    unsigned char *from = side_base(src), *to = side_base(dst);
+    if (!width || !height || !depth)
+        return engine_op(hStream);
+    if (!from || !to || (height > 1 && (src->pitch < width || dst->pitch < width)) ||
+        (depth > 1 && (src->height < height || dst->height < height)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sync) {
+        CUresult rc = sync_current();
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    for (size_t z = 0; z < depth; z++)
+        for (size_t y = 0; y < height; y++)
+            memmove(to + (z * dst->height + y) * dst->pitch,
+                    from + (z * src->height + y) * src->pitch, width);
+    return engine_op(hStream);
+}
+
+#define SIDE_2D(p, s) {(p)->s##MemoryType, (p)->s##Host, (p)->s##Device, (p)->s##Array, \
+                       (p)->s##XInBytes, (p)->s##Y, 0, (p)->s##Pitch, 0}
+#define SIDE_3D(p, s) {(p)->s##MemoryType, (p)->s##Host, (p)->s##Device, (p)->s##Array, \
+                       (p)->s##XInBytes, (p)->s##Y, (p)->s##Z, (p)->s##Pitch, (p)->s##Height}
+
+static CUresult copy_2d(const CUDA_MEMCPY2D *p, int sync, CUstream hStream)
+{
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct copy_side src = SIDE_2D(p, src), dst = SIDE_2D(p, dst);
+    return copy_box(&src, &dst, p->WidthInBytes, p->Height, 1, sync, hStream);
+}
+
+static CUresult copy_3d(const CUDA_MEMCPY3D *p, int sync, CUstream hStream)
+{
+    if (!p || p->srcLOD || p->dstLOD)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct copy_side src = SIDE_3D(p, src), dst = SIDE_3D(p, dst);
+    return copy_box(&src, &dst, p->WidthInBytes, p->Height, p->Depth, sync, hStream);
+}
+
+static CUresult copy_3d_peer(const CUDA_MEMCPY3D_PEER *p, int sync, CUstream hStream)
+{
+    if (!p || p->srcLOD || p->dstLOD)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct copy_side src = SIDE_3D(p, src), dst = SIDE_3D(p, dst);
+    return copy_box(&src, &dst, p->WidthInBytes, p->Height, p->Depth, sync, hStream);
+}
+
+static CUresult copy_peer(CUdeviceptr dst, CUcontext dstContext, CUdeviceptr src,
+                          CUcontext srcContext, size_t n, int sync, CUstream hStream)
+{
+    const struct sim_ctx *d = (const struct sim_ctx *)dstContext;
+    const struct sim_ctx *s = (const struct sim_ctx *)srcContext;
+    if (!d || !s || d->magic != MAGIC_CTX || s->magic != MAGIC_CTX)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    return device_copy(DPTR(dst), DPTR(src), n, sync, hStream);
+}
+
+#define PTDS CU_STREAM_PER_THREAD
+
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
 {
-    return copy_bytes(DPTR(dstDevice), DPTR(srcDevice), ByteCount, 1);
+    return device_copy(DPTR(dstDevice), DPTR(srcDevice), ByteCount, 1, NULL);
+}
+
+CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    return device_copy(DPTR(dstDevice), DPTR(srcDevice), ByteCount, 1, PTDS);
 }
 
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
 {
-    return copy_bytes(DPTR(dst), DPTR(src), ByteCount, 1);
+    return device_copy(DPTR(dst), DPTR(src), ByteCount, 1, NULL);
+}
+
+CUresult cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+{
+    return device_copy(DPTR(dst), DPTR(src), ByteCount, 1, PTDS);
 }
 
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
@@ -1439,38 +1592,128 @@ CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteC
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
                               CUstream hStream)
 {
-    (void)hStream;
-    return copy_bytes(DPTR(dstDevice), DPTR(srcDevice), ByteCount, 0);
+    return device_copy(DPTR(dstDevice), DPTR(srcDevice), ByteCount, 0, hStream);
+}
+
+CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice,
+                                   size_t ByteCount, CUstream hStream)
+{
+    return device_copy(DPTR(dstDevice), DPTR(srcDevice), ByteCount, 0, hStream ? hStream : PTDS);
 }
 
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
 {
-    (void)hStream;
-    return copy_bytes(DPTR(dst), DPTR(src), ByteCount, 0);
+    return device_copy(DPTR(dst), DPTR(src), ByteCount, 0, hStream);
 }
 
-CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
 {
-    REQUIRE_INIT();
-    if (N && !dstDevice)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sync_current();
-    if (rc == CUDA_SUCCESS)
-        memset(DPTR(dstDevice), uc, N);
-    return rc;
+    return device_copy(DPTR(dst), DPTR(src), ByteCount, 0, hStream ? hStream : PTDS);
 }
 
-CUresult cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N)
+CUresult cuMemcpy2D_v2(const CUDA_MEMCPY2D *pCopy) { return copy_2d(pCopy, 1, NULL); }
+CUresult cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D *pCopy) { return copy_2d(pCopy, 1, PTDS); }
+CUresult cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *pCopy) { return copy_2d(pCopy, 1, NULL); }
+CUresult cuMemcpy2DUnaligned_v2_ptds(const CUDA_MEMCPY2D *pCopy)
 {
-    REQUIRE_INIT();
-    if ((N && !dstDevice) || dstDevice % 4)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sync_current();
-    unsigned int *p = DPTR(dstDevice);
-    for (size_t i = 0; rc == CUDA_SUCCESS && i < N; i++)
-        p[i] = ui;
-    return rc;
+    return copy_2d(pCopy, 1, PTDS);
 }
+CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *pCopy, CUstream hStream)
+{
+    return copy_2d(pCopy, 0, hStream);
+}
+CUresult cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *pCopy, CUstream hStream)
+{
+    return copy_2d(pCopy, 0, hStream ? hStream : PTDS);
+}
+CUresult cuMemcpy3D_v2(const CUDA_MEMCPY3D *pCopy) { return copy_3d(pCopy, 1, NULL); }
+CUresult cuMemcpy3D_v2_ptds(const CUDA_MEMCPY3D *pCopy) { return copy_3d(pCopy, 1, PTDS); }
+CUresult cuMemcpy3DAsync_v2(const CUDA_MEMCPY3D *pCopy, CUstream hStream)
+{
+    return copy_3d(pCopy, 0, hStream);
+}
+CUresult cuMemcpy3DAsync_v2_ptsz(const CUDA_MEMCPY3D *pCopy, CUstream hStream)
+{
+    return copy_3d(pCopy, 0, hStream ? hStream : PTDS);
+}
+CUresult cuMemcpy3DPeer(const CUDA_MEMCPY3D_PEER *pCopy) { return copy_3d_peer(pCopy, 1, NULL); }
+CUresult cuMemcpy3DPeer_ptds(const CUDA_MEMCPY3D_PEER *pCopy)
+{
+    return copy_3d_peer(pCopy, 1, PTDS);
+}
+CUresult cuMemcpy3DPeerAsync(const CUDA_MEMCPY3D_PEER *pCopy, CUstream hStream)
+{
+    return copy_3d_peer(pCopy, 0, hStream);
+}
+CUresult cuMemcpy3DPeerAsync_ptsz(const CUDA_MEMCPY3D_PEER *pCopy, CUstream hStream)
+{
+    return copy_3d_peer(pCopy, 0, hStream ? hStream : PTDS);
+}
+
+CUresult cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                      CUcontext srcContext, size_t ByteCount)
+{
+    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, 1, NULL);
+}
+
+CUresult cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                           CUcontext srcContext, size_t ByteCount)
+{
+    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, 1, PTDS);
+}
+
+CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                           CUcontext srcContext, size_t ByteCount, CUstream hStream)
+{
+    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, 0, hStream);
+}
+
+CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext,
+                                CUdeviceptr srcDevice, CUcontext srcContext, size_t ByteCount,
+                                CUstream hStream)
+{
+    return copy_peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount, 0,
+                     hStream ? hStream : PTDS);
+}
+
+/* The sets: (name, value type, sync, stream) in their 1D and 2D shapes. */
+#define SET_1D(name, type, sync, stream_expr, ...)                                               \
+    CUresult name(CUdeviceptr dstDevice, type v, size_t N __VA_ARGS__)                           \
+    {                                                                                            \
+        return set_rows(dstDevice, N * sizeof(type), &v, sizeof(type), N, 1, sync, stream_expr); \
+    }
+#define SET_2D(name, type, sync, stream_expr, ...)                                               \
+    CUresult name(CUdeviceptr dstDevice, size_t dstPitch, type v, size_t Width,                  \
+                  size_t Height __VA_ARGS__)                                                     \
+    {                                                                                            \
+        return set_rows(dstDevice, dstPitch, &v, sizeof(type), Width, Height, sync,              \
+                        stream_expr);                                                            \
+    }
+
+SET_1D(cuMemsetD8_v2, unsigned char, 1, NULL)
+SET_1D(cuMemsetD16_v2, unsigned short, 1, NULL)
+SET_1D(cuMemsetD32_v2, unsigned int, 1, NULL)
+SET_1D(cuMemsetD8_v2_ptds, unsigned char, 1, PTDS)
+SET_1D(cuMemsetD16_v2_ptds, unsigned short, 1, PTDS)
+SET_1D(cuMemsetD32_v2_ptds, unsigned int, 1, PTDS)
+SET_1D(cuMemsetD8Async, unsigned char, 0, hStream, , CUstream hStream)
+SET_1D(cuMemsetD16Async, unsigned short, 0, hStream, , CUstream hStream)
+SET_1D(cuMemsetD32Async, unsigned int, 0, hStream, , CUstream hStream)
+SET_1D(cuMemsetD8Async_ptsz, unsigned char, 0, hStream ? hStream : PTDS, , CUstream hStream)
+SET_1D(cuMemsetD16Async_ptsz, unsigned short, 0, hStream ? hStream : PTDS, , CUstream hStream)
+SET_1D(cuMemsetD32Async_ptsz, unsigned int, 0, hStream ? hStream : PTDS, , CUstream hStream)
+SET_2D(cuMemsetD2D8_v2, unsigned char, 1, NULL)
+SET_2D(cuMemsetD2D16_v2, unsigned short, 1, NULL)
+SET_2D(cuMemsetD2D32_v2, unsigned int, 1, NULL)
+SET_2D(cuMemsetD2D8_v2_ptds, unsigned char, 1, PTDS)
+SET_2D(cuMemsetD2D16_v2_ptds, unsigned short, 1, PTDS)
+SET_2D(cuMemsetD2D32_v2_ptds, unsigned int, 1, PTDS)
+SET_2D(cuMemsetD2D8Async, unsigned char, 0, hStream, , CUstream hStream)
+SET_2D(cuMemsetD2D16Async, unsigned short, 0, hStream, , CUstream hStream)
+SET_2D(cuMemsetD2D32Async, unsigned int, 0, hStream, , CUstream hStream)
+SET_2D(cuMemsetD2D8Async_ptsz, unsigned char, 0, hStream ? hStream : PTDS, , CUstream hStream)
+SET_2D(cuMemsetD2D16Async_ptsz, unsigned short, 0, hStream ? hStream : PTDS, , CUstream hStream)
+SET_2D(cuMemsetD2D32Async_ptsz, unsigned int, 0, hStream ? hStream : PTDS, , CUstream hStream)
 
 /* ---------- modules, libraries, functions ---------- */
 
@@ -2060,6 +2303,44 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned
     return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream, 1);
 }
 
+/* The launches of CUDA 2, deprecated and still exported: the block shape is
+ * the function's (not simulated: one thread). */
+CUresult cuLaunch(CUfunction f)
+{
+    return launch(f, 1, 1, 1, 1, 1, 1, NULL, 0);
+}
+
+CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    if (grid_width <= 0 || grid_height <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, (unsigned)grid_width, (unsigned)grid_height, 1, 1, 1, 1, NULL, 0);
+}
+
+CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+{
+    if (grid_width <= 0 || grid_height <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, (unsigned)grid_width, (unsigned)grid_height, 1, 1, 1, 1, hStream, 0);
+}
+
+/* Each device's kernel on its stream (in simgpu one after the other, not as one). */
+CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList,
+                                              unsigned int numDevices, unsigned int flags)
+{
+    (void)flags;
+    if (!launchParamsList || numDevices == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned int i = 0; i < numDevices; i++) {
+        const CUDA_LAUNCH_PARAMS *p = &launchParamsList[i];
+        CUresult rc = launch(p->function, p->gridDimX, p->gridDimY, p->gridDimZ, p->blockDimX,
+                             p->blockDimY, p->blockDimZ, p->hStream, 1);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
 struct host_call {
     struct sim_ticket after;
     CUhostFn fn;
@@ -2337,6 +2618,79 @@ CUresult cuStreamBeginCapture(CUstream hStream)
 
 /* ---------- cuGetProcAddress ---------- */
 
+/* Entry points that no exported symbol names: with SIMGPU_GETPROC_INTERNAL=1
+ * cuGetProcAddress hands these out instead of the exported functions, as a
+ * real driver may (so that only the name asked for says what one is). They
+ * call the implementation directly, never an exported symbol (which a
+ * preloaded library would interpose). */
+static CUresult internal_cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    return alloc_current(dptr, bytesize, ALLOC_DEVICE);
+}
+
+static CUresult internal_cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy,
+                                        unsigned int gz, unsigned int bx, unsigned int by,
+                                        unsigned int bz, unsigned int shmem, CUstream hStream,
+                                        void **params, void **extra)
+{
+    (void)shmem;
+    (void)params;
+    (void)extra;
+    return launch(f, gx, gy, gz, bx, by, bz, hStream, 0);
+}
+
+static CUresult internal_cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy,
+                                             unsigned int gz, unsigned int bx, unsigned int by,
+                                             unsigned int bz, unsigned int shmem,
+                                             CUstream hStream, void **params, void **extra)
+{
+    (void)shmem;
+    (void)params;
+    (void)extra;
+    return launch(f, gx, gy, gz, bx, by, bz, ptsz(hStream), 0);
+}
+
+static CUresult internal_cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    if (grid_width <= 0 || grid_height <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, (unsigned)grid_width, (unsigned)grid_height, 1, 1, 1, 1, NULL, 0);
+}
+
+static CUresult internal_cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N)
+{
+    return set_rows(dstDevice, N, &uc, 1, N, 1, 1, NULL);
+}
+
+static CUresult internal_cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice,
+                                              size_t ByteCount, CUstream hStream)
+{
+    return device_copy(DPTR(dstDevice), DPTR(srcDevice), ByteCount, 0, hStream);
+}
+
+static const struct {
+    void *exported;
+    void *internal;
+} g_internal[] = {
+    {(void *)cuMemAlloc_v2, (void *)internal_cuMemAlloc_v2},
+    {(void *)cuLaunchKernel, (void *)internal_cuLaunchKernel},
+    {(void *)cuLaunchKernel_ptsz, (void *)internal_cuLaunchKernel_ptsz},
+    {(void *)cuLaunchGrid, (void *)internal_cuLaunchGrid},
+    {(void *)cuMemsetD8_v2, (void *)internal_cuMemsetD8_v2},
+    {(void *)cuMemcpyDtoDAsync_v2, (void *)internal_cuMemcpyDtoDAsync_v2},
+};
+
+static void *internal_of(void *fn)
+{
+    const char *on = getenv("SIMGPU_GETPROC_INTERNAL");
+    if (on == NULL || strcmp(on, "1") != 0)
+        return fn;
+    for (size_t i = 0; i < sizeof(g_internal) / sizeof(g_internal[0]); i++)
+        if (g_internal[i].exported == fn)
+            return g_internal[i].internal;
+    return fn;
+}
+
 struct proc_entry {
     const char *name;    /* the name callers ask for (no _v2 suffix) */
     int version;         /* first CUDA version with this variant */
@@ -2347,6 +2701,7 @@ struct proc_entry {
 
 #define P(name, ver, fn) {name, ver, (void *)(fn), NULL, #fn}
 #define PT(name, ver, fn) {name, ver, (void *)(fn), (void *)(fn##_ptsz), #fn}
+#define PD(name, ver, fn) {name, ver, (void *)(fn), (void *)(fn##_ptds), #fn}
 
 EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion,
                                  cuuint64_t flags);
@@ -2417,14 +2772,33 @@ static const struct proc_entry g_procs[] = {
     P("cuArrayDestroy", 2000, cuArrayDestroy),
     P("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2),
     P("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2),
-    P("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2),
+    PD("cuMemcpyDtoD", 3020, cuMemcpyDtoD_v2),
     P("cuMemcpyHtoDAsync", 3020, cuMemcpyHtoDAsync_v2),
     P("cuMemcpyDtoHAsync", 3020, cuMemcpyDtoHAsync_v2),
-    P("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2),
-    P("cuMemcpy", 4000, cuMemcpy),
-    P("cuMemcpyAsync", 4000, cuMemcpyAsync),
-    P("cuMemsetD8", 3020, cuMemsetD8_v2),
-    P("cuMemsetD32", 3020, cuMemsetD32_v2),
+    PT("cuMemcpyDtoDAsync", 3020, cuMemcpyDtoDAsync_v2),
+    PD("cuMemcpy", 4000, cuMemcpy),
+    PT("cuMemcpyAsync", 4000, cuMemcpyAsync),
+    PD("cuMemcpy2D", 3020, cuMemcpy2D_v2),
+    PD("cuMemcpy2DUnaligned", 3020, cuMemcpy2DUnaligned_v2),
+    PT("cuMemcpy2DAsync", 3020, cuMemcpy2DAsync_v2),
+    PD("cuMemcpy3D", 3020, cuMemcpy3D_v2),
+    PT("cuMemcpy3DAsync", 3020, cuMemcpy3DAsync_v2),
+    PD("cuMemcpyPeer", 4000, cuMemcpyPeer),
+    PT("cuMemcpyPeerAsync", 4000, cuMemcpyPeerAsync),
+    PD("cuMemcpy3DPeer", 4000, cuMemcpy3DPeer),
+    PT("cuMemcpy3DPeerAsync", 4000, cuMemcpy3DPeerAsync),
+    PD("cuMemsetD8", 3020, cuMemsetD8_v2),
+    PD("cuMemsetD16", 3020, cuMemsetD16_v2),
+    PD("cuMemsetD32", 3020, cuMemsetD32_v2),
+    PD("cuMemsetD2D8", 3020, cuMemsetD2D8_v2),
+    PD("cuMemsetD2D16", 3020, cuMemsetD2D16_v2),
+    PD("cuMemsetD2D32", 3020, cuMemsetD2D32_v2),
+    PT("cuMemsetD8Async", 3020, cuMemsetD8Async),
+    PT("cuMemsetD16Async", 3020, cuMemsetD16Async),
+    PT("cuMemsetD32Async", 3020, cuMemsetD32Async),
+    PT("cuMemsetD2D8Async", 3020, cuMemsetD2D8Async),
+    PT("cuMemsetD2D16Async", 3020, cuMemsetD2D16Async),
+    PT("cuMemsetD2D32Async", 3020, cuMemsetD2D32Async),
     P("cuModuleLoad", 2000, cuModuleLoad),
     P("cuModuleLoadData", 2000, cuModuleLoadData),
     P("cuModuleLoadDataEx", 2010, cuModuleLoadDataEx),
@@ -2458,6 +2832,10 @@ static const struct proc_entry g_procs[] = {
     PT("cuLaunchKernel", 4000, cuLaunchKernel),
     PT("cuLaunchKernelEx", 11060, cuLaunchKernelEx),
     PT("cuLaunchCooperativeKernel", 9000, cuLaunchCooperativeKernel),
+    P("cuLaunchCooperativeKernelMultiDevice", 9000, cuLaunchCooperativeKernelMultiDevice),
+    P("cuLaunch", 2000, cuLaunch),
+    P("cuLaunchGrid", 2000, cuLaunchGrid),
+    P("cuLaunchGridAsync", 2000, cuLaunchGridAsync),
     P("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
     P("cuGraphCreate", 10000, cuGraphCreate),
     P("cuGraphDestroy", 10000, cuGraphDestroy),
@@ -2506,9 +2884,9 @@ static CUresult proc_lookup(const char *symbol, void **pfn, int cudaVersion, cuu
                             : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
         return CUDA_ERROR_NOT_FOUND;
     }
-    *pfn = ((flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && best->fn_ptsz)
-               ? best->fn_ptsz
-               : best->fn;
+    *pfn = internal_of(((flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && best->fn_ptsz)
+                           ? best->fn_ptsz
+                           : best->fn);
     if (status)
         *status = CU_GET_PROC_ADDRESS_SUCCESS;
     return CUDA_SUCCESS;
