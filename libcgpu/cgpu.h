@@ -9,7 +9,8 @@
  *           process's queued work has drained (flight.c waits for it);
  * track.c   remembers the size and GPU of every live allocation;
  * hooks.c   resolves the real driver and NVML and defines every exported
- *           wrapper, cuGetProcAddress and dlsym.
+ *           wrapper, cuGetProcAddress, dlsym and dlvsym, and checks that
+ *           nothing ahead of libcgpu takes the wrapped names.
  */
 #ifndef CGPU_INTERNAL_H
 #define CGPU_INTERNAL_H
@@ -79,6 +80,11 @@ enum cgpu_pass { CGPU_PASS_FAILED_OPEN, CGPU_PASS_OPENED, CGPU_PASS_ARMED };
 enum cgpu_pass cgpu_gate_wait(int g) CGPU_HIDDEN;
 /* A launch passed GPU g's armed gate: ring, once per arming. */
 void cgpu_armed_ring(int g) CGPU_HIDDEN;
+/* How many of libcgpu's entry points resolve to other code first (hooks.c's
+ * self-check): kept, and written into this process's slot (`hijacked` on
+ * each of the container's GPUs), which it claims for that when there is a
+ * region; every slot the process claims later gets it too. */
+void cgpu_report_hijacked(uint64_t n) CGPU_HIDDEN;
 
 /* ---- launch.c ---- */
 

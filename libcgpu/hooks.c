@@ -1,14 +1,26 @@
 /*
  * hooks.c: the interposed driver and NVML entry points.
  *
- * Three ways in, one set of wrappers:
+ * Every way in reaches the same wrappers (one table, CGPU_HOOKS below):
  *  - the exported symbols (programs linked against libcuda.so.1, LD_PRELOAD);
- *  - cuGetProcAddress / cuGetProcAddress_v2: the real driver answers, and a
- *    pointer that is one of the real functions we wrap is swapped for our
- *    wrapper (by address, so the driver's own name and version mapping and
- *    the _ptsz variants are honoured);
- *  - dlsym on a handle of libcuda or libnvidia-ml (the CUDA runtime, ctypes):
- *    same swap by address.
+ *  - cuGetProcAddress / cuGetProcAddress_v2 (and so cudaGetDriverEntryPoint):
+ *    the real driver answers; a pointer that is one of the real functions we
+ *    wrap is swapped for its wrapper, and a name we wrap gets our wrapper of
+ *    the variant its version and flags pick (by the table), whatever pointer
+ *    the driver gave (a real driver may hand out entry points that no
+ *    exported symbol names);
+ *  - dlsym and dlvsym on a handle of libcuda or libnvidia-ml (the CUDA
+ *    runtime, ctypes): the same swap by address. Both answer "dlsym" and
+ *    "dlvsym" with libcgpu's own, on any handle and at any version, so that
+ *    the C library's cannot be taken to look past the wrappers.
+ * Calls that put work on the GPU (launches, device-side copies and sets) wait
+ * at the gate and are counted (LAUNCH).
+ *
+ * A self-check (selfcheck) looks, at start and after objects were loaded,
+ * whether each wrapped name still resolves to libcgpu in the global scope; an
+ * object ahead of it that defines one (a library LD_PRELOAD names first, the
+ * program itself) is reported in the process slot (`hijacked`) and logged.
+ *
  * The real libraries are opened by us: $CGPU_REAL_LIBCUDA / $CGPU_REAL_LIBNVML,
  * else the usual sonames and paths, never this library itself.
  */
@@ -30,49 +42,101 @@
 #include "flight.h"
 
 /* ------------------------------------------------------------------ */
-/* The list of wrapped functions: X(lib, name)                        */
+/* The wrapped functions: X(lib, name, proc, since, pt)               */
 /* ------------------------------------------------------------------ */
 
+/* name: the exported symbol. proc, since, pt: how cuGetProcAddress asks for
+ * it: by the name `proc` (NULL: it does not), from CUDA version `since`, and
+ * pt = 1 for the per-thread default stream variant (the _ptsz / _ptds names,
+ * CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM). Of the variants of one proc
+ * name, the one with the highest `since` not above the caller's version
+ * answers, as the driver maps them (tests/gpu/procaddr_probe.c compares the
+ * two on a real driver). */
 #define LIB_CUDA 0
 #define LIB_NVML 1
 
 #define CGPU_HOOKS(X)                                                                            \
-    X(LIB_CUDA, cuMemAlloc_v2)                                                                   \
-    X(LIB_CUDA, cuMemAllocPitch_v2)                                                              \
-    X(LIB_CUDA, cuMemFree_v2)                                                                    \
-    X(LIB_CUDA, cuMemAllocManaged)                                                               \
-    X(LIB_CUDA, cuMemAllocAsync)                                                                 \
-    X(LIB_CUDA, cuMemAllocAsync_ptsz)                                                            \
-    X(LIB_CUDA, cuMemAllocFromPoolAsync)                                                         \
-    X(LIB_CUDA, cuMemAllocFromPoolAsync_ptsz)                                                    \
-    X(LIB_CUDA, cuMemFreeAsync)                                                                  \
-    X(LIB_CUDA, cuMemFreeAsync_ptsz)                                                             \
-    X(LIB_CUDA, cuMemCreate)                                                                     \
-    X(LIB_CUDA, cuMemRelease)                                                                    \
-    X(LIB_CUDA, cuArrayCreate_v2)                                                                \
-    X(LIB_CUDA, cuArray3DCreate_v2)                                                              \
-    X(LIB_CUDA, cuArrayDestroy)                                                                  \
-    X(LIB_CUDA, cuMemGetInfo_v2)                                                                 \
-    X(LIB_CUDA, cuDeviceTotalMem_v2)                                                             \
-    X(LIB_CUDA, cuCtxCreate_v2)                                                                  \
-    X(LIB_CUDA, cuCtxCreate_v3)                                                                  \
-    X(LIB_CUDA, cuCtxCreate_v4)                                                                  \
-    X(LIB_CUDA, cuCtxDestroy_v2)                                                                 \
-    X(LIB_CUDA, cuDevicePrimaryCtxRetain)                                                        \
-    X(LIB_CUDA, cuDevicePrimaryCtxRelease_v2)                                                    \
-    X(LIB_CUDA, cuDevicePrimaryCtxReset_v2)                                                      \
-    X(LIB_CUDA, cuStreamDestroy_v2)                                                              \
-    X(LIB_CUDA, cuLaunchKernel)                                                                  \
-    X(LIB_CUDA, cuLaunchKernel_ptsz)                                                             \
-    X(LIB_CUDA, cuLaunchKernelEx)                                                                \
-    X(LIB_CUDA, cuLaunchKernelEx_ptsz)                                                           \
-    X(LIB_CUDA, cuLaunchCooperativeKernel)                                                       \
-    X(LIB_CUDA, cuLaunchCooperativeKernel_ptsz)                                                  \
-    X(LIB_CUDA, cuGraphLaunch)                                                                   \
-    X(LIB_CUDA, cuGraphLaunch_ptsz)                                                              \
-    X(LIB_CUDA, cuGetProcAddress_v2)                                                             \
-    X(LIB_NVML, nvmlDeviceGetMemoryInfo)                                                         \
-    X(LIB_NVML, nvmlDeviceGetMemoryInfo_v2)
+    X(LIB_CUDA, cuMemAlloc_v2, "cuMemAlloc", 3020, 0)                                            \
+    X(LIB_CUDA, cuMemAllocPitch_v2, "cuMemAllocPitch", 3020, 0)                                  \
+    X(LIB_CUDA, cuMemFree_v2, "cuMemFree", 3020, 0)                                              \
+    X(LIB_CUDA, cuMemAllocManaged, "cuMemAllocManaged", 6000, 0)                                 \
+    X(LIB_CUDA, cuMemAllocAsync, "cuMemAllocAsync", 11020, 0)                                    \
+    X(LIB_CUDA, cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, 1)                               \
+    X(LIB_CUDA, cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, 0)                    \
+    X(LIB_CUDA, cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, 1)               \
+    X(LIB_CUDA, cuMemFreeAsync, "cuMemFreeAsync", 11020, 0)                                      \
+    X(LIB_CUDA, cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1)                                 \
+    X(LIB_CUDA, cuMemCreate, "cuMemCreate", 10020, 0)                                            \
+    X(LIB_CUDA, cuMemRelease, "cuMemRelease", 10020, 0)                                          \
+    X(LIB_CUDA, cuArrayCreate_v2, "cuArrayCreate", 3020, 0)                                      \
+    X(LIB_CUDA, cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0)                                  \
+    X(LIB_CUDA, cuArrayDestroy, "cuArrayDestroy", 2000, 0)                                       \
+    X(LIB_CUDA, cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0)                                        \
+    X(LIB_CUDA, cuDeviceTotalMem_v2, "cuDeviceTotalMem", 3020, 0)                                \
+    X(LIB_CUDA, cuCtxCreate_v2, "cuCtxCreate", 3020, 0)                                          \
+    X(LIB_CUDA, cuCtxCreate_v3, "cuCtxCreate", 11040, 0)                                         \
+    X(LIB_CUDA, cuCtxCreate_v4, "cuCtxCreate", 12050, 0)                                         \
+    X(LIB_CUDA, cuCtxDestroy_v2, "cuCtxDestroy", 4000, 0)                                        \
+    X(LIB_CUDA, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 7000, 0)                   \
+    X(LIB_CUDA, cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 11000, 0)             \
+    X(LIB_CUDA, cuDevicePrimaryCtxReset_v2, "cuDevicePrimaryCtxReset", 11000, 0)                 \
+    X(LIB_CUDA, cuStreamDestroy_v2, "cuStreamDestroy", 4000, 0)                                  \
+    X(LIB_CUDA, cuLaunchKernel, "cuLaunchKernel", 4000, 0)                                       \
+    X(LIB_CUDA, cuLaunchKernel_ptsz, "cuLaunchKernel", 7000, 1)                                  \
+    X(LIB_CUDA, cuLaunchKernelEx, "cuLaunchKernelEx", 11060, 0)                                  \
+    X(LIB_CUDA, cuLaunchKernelEx_ptsz, "cuLaunchKernelEx", 11060, 1)                             \
+    X(LIB_CUDA, cuLaunchCooperativeKernel, "cuLaunchCooperativeKernel", 9000, 0)                 \
+    X(LIB_CUDA, cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, 1)            \
+    X(LIB_CUDA, cuLaunchCooperativeKernelMultiDevice, "cuLaunchCooperativeKernelMultiDevice",    \
+      9000, 0)                                                                                   \
+    X(LIB_CUDA, cuLaunch, "cuLaunch", 2000, 0)                                                   \
+    X(LIB_CUDA, cuLaunchGrid, "cuLaunchGrid", 2000, 0)                                           \
+    X(LIB_CUDA, cuLaunchGridAsync, "cuLaunchGridAsync", 2000, 0)                                 \
+    X(LIB_CUDA, cuGraphLaunch, "cuGraphLaunch", 10000, 0)                                        \
+    X(LIB_CUDA, cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1)                                   \
+    X(LIB_CUDA, cuMemcpy, "cuMemcpy", 4000, 0)                                                   \
+    X(LIB_CUDA, cuMemcpy_ptds, "cuMemcpy", 7000, 1)                                              \
+    X(LIB_CUDA, cuMemcpyAsync, "cuMemcpyAsync", 4000, 0)                                         \
+    X(LIB_CUDA, cuMemcpyAsync_ptsz, "cuMemcpyAsync", 7000, 1)                                    \
+    X(LIB_CUDA, cuMemcpyDtoD_v2, "cuMemcpyDtoD", 3020, 0)                                        \
+    X(LIB_CUDA, cuMemcpyDtoD_v2_ptds, "cuMemcpyDtoD", 7000, 1)                                   \
+    X(LIB_CUDA, cuMemcpyDtoDAsync_v2, "cuMemcpyDtoDAsync", 3020, 0)                              \
+    X(LIB_CUDA, cuMemcpyDtoDAsync_v2_ptsz, "cuMemcpyDtoDAsync", 7000, 1)                         \
+    X(LIB_CUDA, cuMemcpy2D_v2, "cuMemcpy2D", 3020, 0)                                            \
+    X(LIB_CUDA, cuMemcpy2D_v2_ptds, "cuMemcpy2D", 7000, 1)                                       \
+    X(LIB_CUDA, cuMemcpy2DUnaligned_v2, "cuMemcpy2DUnaligned", 3020, 0)                          \
+    X(LIB_CUDA, cuMemcpy2DUnaligned_v2_ptds, "cuMemcpy2DUnaligned", 7000, 1)                     \
+    X(LIB_CUDA, cuMemcpy2DAsync_v2, "cuMemcpy2DAsync", 3020, 0)                                  \
+    X(LIB_CUDA, cuMemcpy2DAsync_v2_ptsz, "cuMemcpy2DAsync", 7000, 1)                             \
+    X(LIB_CUDA, cuMemcpy3D_v2, "cuMemcpy3D", 3020, 0)                                            \
+    X(LIB_CUDA, cuMemcpy3D_v2_ptds, "cuMemcpy3D", 7000, 1)                                       \
+    X(LIB_CUDA, cuMemcpy3DAsync_v2, "cuMemcpy3DAsync", 3020, 0)                                  \
+    X(LIB_CUDA, cuMemcpy3DAsync_v2_ptsz, "cuMemcpy3DAsync", 7000, 1)                             \
+    X(LIB_CUDA, cuMemcpyPeer, "cuMemcpyPeer", 4000, 0)                                           \
+    X(LIB_CUDA, cuMemcpyPeer_ptds, "cuMemcpyPeer", 7000, 1)                                      \
+    X(LIB_CUDA, cuMemcpyPeerAsync, "cuMemcpyPeerAsync", 4000, 0)                                 \
+    X(LIB_CUDA, cuMemcpyPeerAsync_ptsz, "cuMemcpyPeerAsync", 7000, 1)                            \
+    X(LIB_CUDA, cuMemcpy3DPeer, "cuMemcpy3DPeer", 4000, 0)                                       \
+    X(LIB_CUDA, cuMemcpy3DPeer_ptds, "cuMemcpy3DPeer", 7000, 1)                                  \
+    X(LIB_CUDA, cuMemcpy3DPeerAsync, "cuMemcpy3DPeerAsync", 4000, 0)                             \
+    X(LIB_CUDA, cuMemcpy3DPeerAsync_ptsz, "cuMemcpy3DPeerAsync", 7000, 1)                        \
+    CGPU_SET_HOOKS(X, 8)                                                                         \
+    CGPU_SET_HOOKS(X, 16)                                                                        \
+    CGPU_SET_HOOKS(X, 32)                                                                        \
+    X(LIB_CUDA, cuGetProcAddress_v2, "cuGetProcAddress", 12000, 0)                               \
+    X(LIB_NVML, nvmlDeviceGetMemoryInfo, NULL, 0, 0)                                             \
+    X(LIB_NVML, nvmlDeviceGetMemoryInfo_v2, NULL, 0, 0)
+
+/* The sets of one element size: 1D and 2D, synchronous and stream-ordered. */
+#define CGPU_SET_HOOKS(X, bits)                                                                  \
+    X(LIB_CUDA, cuMemsetD##bits##_v2, "cuMemsetD" #bits, 3020, 0)                               \
+    X(LIB_CUDA, cuMemsetD##bits##_v2_ptds, "cuMemsetD" #bits, 7000, 1)                          \
+    X(LIB_CUDA, cuMemsetD##bits##Async, "cuMemsetD" #bits "Async", 3020, 0)                     \
+    X(LIB_CUDA, cuMemsetD##bits##Async_ptsz, "cuMemsetD" #bits "Async", 7000, 1)                \
+    X(LIB_CUDA, cuMemsetD2D##bits##_v2, "cuMemsetD2D" #bits, 3020, 0)                           \
+    X(LIB_CUDA, cuMemsetD2D##bits##_v2_ptds, "cuMemsetD2D" #bits, 7000, 1)                      \
+    X(LIB_CUDA, cuMemsetD2D##bits##Async, "cuMemsetD2D" #bits "Async", 3020, 0)                 \
+    X(LIB_CUDA, cuMemsetD2D##bits##Async_ptsz, "cuMemsetD2D" #bits "Async", 7000, 1)
 
 /* The pre-CUDA-12 entry point, exported under its own name with its own arity. */
 typedef CUresult (*legacy_getproc_fn)(const char *, void **, int, cuuint64_t);
@@ -95,7 +159,7 @@ static __typeof__(&cuDevicePrimaryCtxRelease_v2) real_cuDevicePrimaryCtxRelease_
 static __typeof__(&cuDevicePrimaryCtxReset_v2) real_cuDevicePrimaryCtxReset_legacy;
 static __typeof__(&cuStreamDestroy_v2) real_cuStreamDestroy_legacy;
 
-#define DECLARE_REAL(lib, name) static __typeof__(&name) real_##name;
+#define DECLARE_REAL(lib, name, proc, since, pt) static __typeof__(&name) real_##name;
 CGPU_HOOKS(DECLARE_REAL)
 static __typeof__(&cuCtxGetDevice) real_cuCtxGetDevice;
 static __typeof__(&cuDeviceGetUuid_v2) real_cuDeviceGetUuid_v2;
@@ -111,41 +175,48 @@ struct hook {
     void *wrapper; /* NULL: resolved only */
     void **real;
     int lib;
+    const char *proc; /* cuGetProcAddress's name for it, or NULL */
+    int since;        /* from this CUDA version */
+    int pt;           /* the per-thread default stream variant */
 };
 
-#define HOOK_ENTRY(lib, name) {#name, (void *)&name, (void **)&real_##name, lib},
+/* Resolved in the real library only (libcgpu calls it), not wrapped. */
+#define RESOLVED(name, real, lib) {name, NULL, (void **)(real), lib, NULL, 0, 0}
+#define HOOK_ENTRY(lib, name, proc, since, pt)                                                   \
+    {#name, (void *)&name, (void **)&real_##name, lib, proc, since, pt},
 static struct hook hooks[] = {
     CGPU_HOOKS(HOOK_ENTRY)
+    /* the unversioned exports, which older versions' callers get */
     {"cuGetProcAddress", (void *)&cgpu_cuGetProcAddress_legacy,
-     (void **)&real_cuGetProcAddress_legacy, LIB_CUDA},
-    {"cuCtxCreate", (void *)&cgpu_cuCtxCreate_legacy, (void **)&real_cuCtxCreate_legacy, LIB_CUDA},
+     (void **)&real_cuGetProcAddress_legacy, LIB_CUDA, "cuGetProcAddress", 11030, 0},
+    {"cuCtxCreate", (void *)&cgpu_cuCtxCreate_legacy, (void **)&real_cuCtxCreate_legacy, LIB_CUDA,
+     "cuCtxCreate", 2000, 0},
     {"cuCtxDestroy", (void *)&cgpu_cuCtxDestroy_legacy, (void **)&real_cuCtxDestroy_legacy,
-     LIB_CUDA},
+     LIB_CUDA, "cuCtxDestroy", 2000, 0},
     {"cuDevicePrimaryCtxRelease", (void *)&cgpu_cuDevicePrimaryCtxRelease_legacy,
-     (void **)&real_cuDevicePrimaryCtxRelease_legacy, LIB_CUDA},
+     (void **)&real_cuDevicePrimaryCtxRelease_legacy, LIB_CUDA, "cuDevicePrimaryCtxRelease", 7000,
+     0},
     {"cuDevicePrimaryCtxReset", (void *)&cgpu_cuDevicePrimaryCtxReset_legacy,
-     (void **)&real_cuDevicePrimaryCtxReset_legacy, LIB_CUDA},
+     (void **)&real_cuDevicePrimaryCtxReset_legacy, LIB_CUDA, "cuDevicePrimaryCtxReset", 7000, 0},
     {"cuStreamDestroy", (void *)&cgpu_cuStreamDestroy_legacy, (void **)&real_cuStreamDestroy_legacy,
-     LIB_CUDA},
-    {"cuCtxGetDevice", NULL, (void **)&real_cuCtxGetDevice, LIB_CUDA},
-    {"cuDeviceGetUuid_v2", NULL, (void **)&real_cuDeviceGetUuid_v2, LIB_CUDA},
-    {"cuDevicePrimaryCtxGetState", NULL, (void **)&real_cuDevicePrimaryCtxGetState, LIB_CUDA},
-    {"cuCtxGetCurrent", NULL, (void **)&cgpu_flight_cu.ctx_get_current, LIB_CUDA},
-    {"cuEventCreate", NULL, (void **)&cgpu_flight_cu.event_create, LIB_CUDA},
-    {"cuEventRecord", NULL, (void **)&cgpu_flight_cu.event_record, LIB_CUDA},
-    {"cuEventSynchronize", NULL, (void **)&cgpu_flight_cu.event_synchronize, LIB_CUDA},
-    {"cuEventQuery", NULL, (void **)&cgpu_flight_cu.event_query, LIB_CUDA},
-    {"cuStreamIsCapturing", NULL, (void **)&cgpu_flight_cu.stream_is_capturing, LIB_CUDA},
-    {"cuCtxPushCurrent_v2", NULL, (void **)&cgpu_flight_cu.ctx_push, LIB_CUDA},
-    {"cuCtxPopCurrent_v2", NULL, (void **)&cgpu_flight_cu.ctx_pop, LIB_CUDA},
-    {"cuThreadExchangeStreamCaptureMode", NULL, (void **)&cgpu_flight_cu.exchange_capture_mode,
-     LIB_CUDA},
-    {"nvmlDeviceGetUUID", NULL, (void **)&real_nvmlDeviceGetUUID, LIB_NVML},
-    {"nvmlInit_v2", NULL, (void **)&real_nvmlInit_v2, LIB_NVML},
-    {"nvmlDeviceGetHandleByUUID", NULL, (void **)&real_nvmlDeviceGetHandleByUUID, LIB_NVML},
-    {"nvmlDeviceGetHandleByIndex_v2", NULL, (void **)&real_nvmlDeviceGetHandleByIndex_v2,
-     LIB_NVML},
-    {"nvmlDeviceGetIndex", NULL, (void **)&real_nvmlDeviceGetIndex, LIB_NVML},
+     LIB_CUDA, "cuStreamDestroy", 2000, 0},
+    RESOLVED("cuCtxGetDevice", &real_cuCtxGetDevice, LIB_CUDA),
+    RESOLVED("cuDeviceGetUuid_v2", &real_cuDeviceGetUuid_v2, LIB_CUDA),
+    RESOLVED("cuDevicePrimaryCtxGetState", &real_cuDevicePrimaryCtxGetState, LIB_CUDA),
+    RESOLVED("cuCtxGetCurrent", &cgpu_flight_cu.ctx_get_current, LIB_CUDA),
+    RESOLVED("cuEventCreate", &cgpu_flight_cu.event_create, LIB_CUDA),
+    RESOLVED("cuEventRecord", &cgpu_flight_cu.event_record, LIB_CUDA),
+    RESOLVED("cuEventSynchronize", &cgpu_flight_cu.event_synchronize, LIB_CUDA),
+    RESOLVED("cuEventQuery", &cgpu_flight_cu.event_query, LIB_CUDA),
+    RESOLVED("cuStreamIsCapturing", &cgpu_flight_cu.stream_is_capturing, LIB_CUDA),
+    RESOLVED("cuCtxPushCurrent_v2", &cgpu_flight_cu.ctx_push, LIB_CUDA),
+    RESOLVED("cuCtxPopCurrent_v2", &cgpu_flight_cu.ctx_pop, LIB_CUDA),
+    RESOLVED("cuThreadExchangeStreamCaptureMode", &cgpu_flight_cu.exchange_capture_mode, LIB_CUDA),
+    RESOLVED("nvmlDeviceGetUUID", &real_nvmlDeviceGetUUID, LIB_NVML),
+    RESOLVED("nvmlInit_v2", &real_nvmlInit_v2, LIB_NVML),
+    RESOLVED("nvmlDeviceGetHandleByUUID", &real_nvmlDeviceGetHandleByUUID, LIB_NVML),
+    RESOLVED("nvmlDeviceGetHandleByIndex_v2", &real_nvmlDeviceGetHandleByIndex_v2, LIB_NVML),
+    RESOLVED("nvmlDeviceGetIndex", &real_nvmlDeviceGetIndex, LIB_NVML),
 };
 #define NHOOKS (sizeof hooks / sizeof hooks[0])
 
@@ -154,29 +225,123 @@ static struct hook hooks[] = {
 /* ------------------------------------------------------------------ */
 
 typedef void *(*dlsym_fn)(void *, const char *);
+typedef void *(*dlvsym_fn)(void *, const char *, const char *);
 static dlsym_fn real_dlsym;
+static dlvsym_fn real_dlvsym;
 static __thread int in_resolve;
+
+/* The address of the default version of `name` defined in the object behind
+ * `handle`, read from its dynamic symbol table: libcgpu defines dlsym and
+ * dlvsym itself, and -Bsymbolic binds its own calls to those, so the C
+ * library's are found the way the loader would find them. */
+static void *elf_default_symbol(void *handle, const char *name)
+{
+    struct link_map *lm = NULL;
+    if (dlinfo(handle, RTLD_DI_LINKMAP, &lm) != 0 || lm == NULL || lm->l_ld == NULL)
+        return NULL;
+    const ElfW(Sym) *symtab = NULL;
+    const char *strtab = NULL;
+    const uint32_t *gnu = NULL, *sysv = NULL;
+    const ElfW(Half) *versym = NULL;
+    for (const ElfW(Dyn) *d = lm->l_ld; d->d_tag != DT_NULL; d++) {
+        uintptr_t at = (uintptr_t)d->d_un.d_ptr;
+        if (at < lm->l_addr)
+            at += lm->l_addr; /* a read-only dynamic section, left unrelocated */
+        switch (d->d_tag) {
+        case DT_SYMTAB:
+            symtab = (const ElfW(Sym) *)at;
+            break;
+        case DT_STRTAB:
+            strtab = (const char *)at;
+            break;
+        case DT_GNU_HASH:
+            gnu = (const uint32_t *)at;
+            break;
+        case DT_HASH:
+            sysv = (const uint32_t *)at;
+            break;
+        case DT_VERSYM:
+            versym = (const ElfW(Half) *)at;
+            break;
+        }
+    }
+    if (symtab == NULL || strtab == NULL)
+        return NULL;
+#define ELF_MATCH(i)                                                                             \
+    (symtab[i].st_shndx != SHN_UNDEF && symtab[i].st_value != 0 &&                               \
+     (symtab[i].st_info & 0xf) == STT_FUNC && (versym == NULL || !(versym[i] & 0x8000)) && \
+     strcmp(strtab + symtab[i].st_name, name) == 0)
+    if (gnu != NULL) {
+        uint32_t h = 5381;
+        for (const unsigned char *c = (const unsigned char *)name; *c; c++)
+            h = h * 33 + *c;
+        uint32_t nbuckets = gnu[0], symoffset = gnu[1], bloom_words = gnu[2];
+        const uint32_t *buckets = (const uint32_t *)((const ElfW(Addr) *)&gnu[4] + bloom_words);
+        const uint32_t *chain = buckets + nbuckets;
+        for (uint32_t i = nbuckets ? buckets[h % nbuckets] : 0; i >= symoffset && i != 0; i++) {
+            uint32_t link = chain[i - symoffset];
+            if ((link | 1) == (h | 1) && ELF_MATCH(i))
+                return (void *)(lm->l_addr + symtab[i].st_value);
+            if (link & 1)
+                break;
+        }
+    } else if (sysv != NULL) {
+        uint32_t h = 0;
+        for (const unsigned char *c = (const unsigned char *)name; *c; c++) {
+            h = (h << 4) + *c;
+            uint32_t high = h & 0xf0000000u;
+            h ^= high >> 24;
+            h &= ~high;
+        }
+        uint32_t nbuckets = sysv[0];
+        const uint32_t *buckets = &sysv[2], *chain = buckets + nbuckets;
+        for (uint32_t i = nbuckets ? buckets[h % nbuckets] : 0; i != STN_UNDEF; i = chain[i])
+            if (ELF_MATCH(i))
+                return (void *)(lm->l_addr + symtab[i].st_value);
+    }
+#undef ELF_MATCH
+    return NULL;
+}
+
+static pthread_once_t libdl_once = PTHREAD_ONCE_INIT;
+
+/* The C library's dlsym and dlvsym (glibc 2.34 and later: libc.so.6; before:
+ * libdl.so.2, which libcgpu links). */
+static void find_libdl(void)
+{
+    static const char *const libs[] = {"libc.so.6", "libdl.so.2"};
+    void *ds = NULL, *dvs = NULL;
+    for (size_t i = 0; i < sizeof libs / sizeof *libs; i++) {
+        void *h = dlopen(libs[i], RTLD_LAZY | RTLD_NOLOAD);
+        if (h == NULL)
+            continue;
+        if (ds == NULL)
+            ds = elf_default_symbol(h, "dlsym");
+        if (dvs == NULL)
+            dvs = elf_default_symbol(h, "dlvsym");
+    }
+    if (ds == NULL) {
+        cgpu_log("cannot find the C library's dlsym; aborting");
+        abort();
+    }
+    __atomic_store_n(&real_dlvsym, (dlvsym_fn)dvs, __ATOMIC_RELEASE);
+    __atomic_store_n(&real_dlsym, (dlsym_fn)ds, __ATOMIC_RELEASE);
+}
 
 static dlsym_fn get_real_dlsym(void)
 {
     dlsym_fn f = __atomic_load_n(&real_dlsym, __ATOMIC_ACQUIRE);
     if (cgpu_likely(f != NULL))
         return f;
-    static const char *const libs[] = {"libc.so.6", "libdl.so.2"};
-    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17"};
-    for (size_t i = 0; f == NULL && i < sizeof libs / sizeof *libs; i++) {
-        void *h = dlopen(libs[i], RTLD_LAZY | RTLD_NOLOAD);
-        for (size_t v = 0; h != NULL && f == NULL && v < sizeof versions / sizeof *versions; v++)
-            f = (dlsym_fn)dlvsym(h, "dlsym", versions[v]);
-    }
-    for (size_t v = 0; f == NULL && v < sizeof versions / sizeof *versions; v++)
-        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[v]);
-    if (f == NULL) {
-        cgpu_log("cannot find the C library's dlsym; aborting");
-        abort();
-    }
-    __atomic_store_n(&real_dlsym, f, __ATOMIC_RELEASE);
-    return f;
+    pthread_once(&libdl_once, find_libdl);
+    return real_dlsym;
+}
+
+/* NULL where the C library has none. */
+static dlvsym_fn get_real_dlvsym(void)
+{
+    (void)get_real_dlsym();
+    return __atomic_load_n(&real_dlvsym, __ATOMIC_ACQUIRE);
 }
 
 static void *open_real(const char *env, const char *const *candidates, const char *probe,
@@ -275,16 +440,28 @@ static CUresult cuda_missing(const char *name)
         }                                                                                        \
     } while (0)
 
-/* The wrapper standing for a real function pointer, or the pointer itself. */
-static void *wrapper_for(void *real_fn)
+/* The wrapper standing for a real function pointer, or the pointer itself.
+ * Where one function has several names (aliases), a variant of `proc`
+ * (cuGetProcAddress's name, or NULL) is preferred. */
+static void *wrapper_of(void *real_fn, const char *proc)
 {
+    void *found = real_fn;
     if (real_fn == NULL)
         return NULL;
     for (size_t i = 0; i < NHOOKS; i++)
         if (hooks[i].wrapper != NULL &&
-            __atomic_load_n(hooks[i].real, __ATOMIC_ACQUIRE) == real_fn)
-            return hooks[i].wrapper;
-    return real_fn;
+            __atomic_load_n(hooks[i].real, __ATOMIC_ACQUIRE) == real_fn) {
+            if (proc == NULL || (hooks[i].proc != NULL && strcmp(hooks[i].proc, proc) == 0))
+                return hooks[i].wrapper;
+            if (found == real_fn)
+                found = hooks[i].wrapper;
+        }
+    return found;
+}
+
+static void *wrapper_for(void *real_fn)
+{
+    return wrapper_of(real_fn, NULL);
 }
 
 static const struct hook *hook_named(const char *name)
@@ -295,27 +472,190 @@ static const struct hook *hook_named(const char *name)
     return NULL;
 }
 
+/* The wrapper cuGetProcAddress hands out for `symbol` at `version` with
+ * `flags`, by the table: of the variants named `symbol` that the driver
+ * exports, the newest the version has, the per-thread one where the flags ask
+ * for it and there is one. NULL when we wrap no variant of that name, or none
+ * the version and the driver have; *family says whether we wrap any. */
+static const struct hook *hook_for_proc(const char *symbol, int version, cuuint64_t flags,
+                                        int *family)
+{
+    int pt = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    const struct hook *best = NULL;
+    *family = 0;
+    for (size_t i = 0; i < NHOOKS; i++) {
+        const struct hook *h = &hooks[i];
+        if (h->wrapper == NULL || h->proc == NULL || strcmp(h->proc, symbol) != 0)
+            continue;
+        *family = 1;
+        if (h->since > version || (h->pt && !pt) ||
+            __atomic_load_n(h->real, __ATOMIC_ACQUIRE) == NULL) /* a variant this driver lacks */
+            continue;
+        if (best == NULL || h->since > best->since || (h->since == best->since && h->pt))
+            best = h;
+    }
+    return best;
+}
+
 /* ------------------------------------------------------------------ */
-/* dlsym                                                              */
+/* Self-check: every wrapped name resolves to libcgpu                 */
+/* ------------------------------------------------------------------ */
+
+/* libcgpu's own link map when it is preloaded (LD_PRELOAD, ld.so.preload):
+ * loaded ahead of the C library, so that only the program and the objects
+ * preloaded before it come before it in the global scope, in the order of the
+ * loader's list. NULL otherwise (opened later with dlopen, libcgpu is no
+ * wrapper of anything there, and nothing is taken from it). */
+static struct link_map *preloaded_self(void)
+{
+    Dl_info info;
+    struct link_map *self = NULL, *libc = NULL;
+    void *h = dlopen("libc.so.6", RTLD_LAZY | RTLD_NOLOAD);
+    if (h == NULL || dlinfo(h, RTLD_DI_LINKMAP, &libc) != 0 || libc == NULL ||
+        dladdr1((const void *)&preloaded_self, &info, (void **)&self, RTLD_DL_LINKMAP) == 0 ||
+        self == NULL)
+        self = NULL;
+    if (h != NULL)
+        dlclose(h);
+    for (const struct link_map *m = self != NULL ? self->l_next : NULL; m != NULL; m = m->l_next)
+        if (m == libc)
+            return self;
+    return NULL;
+}
+
+/* Whether `at` lies in an object ahead of `self` in the loader's list. */
+static int ahead_of(const struct link_map *self, const void *at)
+{
+    Dl_info info;
+    struct link_map *other = NULL;
+    if (dladdr1(at, &info, (void **)&other, RTLD_DL_LINKMAP) == 0 || other == NULL)
+        return 0;
+    for (const struct link_map *m = self->l_prev; m != NULL; m = m->l_prev)
+        if (m == other)
+            return 1;
+    return 0;
+}
+
+/* How many of libcgpu's entry points (each wrapper, dlsym, dlvsym) a lookup in
+ * the global scope finds in an object ahead of libcgpu, which then takes the
+ * program's calls by that name (0 when libcgpu is not preloaded). The first
+ * few are named in `why`. */
+static uint64_t count_hijacked(char *why, size_t len)
+{
+    dlsym_fn ds = get_real_dlsym();
+    /* Through the program's handle, which searches the global scope in its
+     * order: RTLD_DEFAULT would search libcgpu's own scope, where -Bsymbolic
+     * puts libcgpu first. */
+    struct link_map *self = preloaded_self();
+    void *program = self != NULL ? dlopen(NULL, RTLD_LAZY) : NULL;
+    if (program == NULL)
+        return 0;
+    uint64_t n = 0;
+    size_t used = 0;
+    why[0] = '\0';
+    for (size_t i = 0; i < NHOOKS + 2; i++) {
+        const char *name;
+        void *own;
+        if (i < NHOOKS) {
+            if (hooks[i].wrapper == NULL)
+                continue;
+            name = hooks[i].name;
+            own = hooks[i].wrapper;
+        } else {
+            name = i == NHOOKS ? "dlsym" : "dlvsym";
+            own = i == NHOOKS ? (void *)&dlsym : (void *)&dlvsym;
+        }
+        void *found = ds(program, name);
+        if (found == NULL || found == own || !ahead_of(self, found))
+            continue;
+        if (n++ < 3 && used + 1 < len) {
+            Dl_info info;
+            const char *where = dladdr(found, &info) != 0 && info.dli_fname != NULL &&
+                                        info.dli_fname[0] != '\0'
+                                    ? info.dli_fname
+                                    : "the program";
+            int w = snprintf(why + used, len - used, "%s%s in %s", used ? ", " : "", name, where);
+            used = w < 0 ? used : used + (size_t)w < len ? used + (size_t)w : len - 1;
+        }
+    }
+    dlclose(program);
+    return n;
+}
+
+static pthread_mutex_t check_lock = PTHREAD_MUTEX_INITIALIZER;
+static int checked;                    /* a check ran */
+static unsigned long long checked_adds; /* objects loaded so far, at that check */
+static uint64_t hijacked_said;
+
+static int objects_loaded(struct dl_phdr_info *info, size_t size, void *data)
+{
+    if (size >= offsetof(struct dl_phdr_info, dlpi_adds) + sizeof info->dlpi_adds)
+        *(unsigned long long *)data = info->dlpi_adds;
+    return 1; /* the first object says it for all */
+}
+
+/* At start, and at the next lookup after an object was loaded (the loader's
+ * count of loads moved): look again, report a change in the process slot
+ * (region.c) and in one line on stderr. A thread that finds another one
+ * checking goes on: the other may wait for the loader's lock, which this one
+ * may hold (a constructor that looks a name up while dlopen runs it). */
+static void selfcheck(void)
+{
+    unsigned long long adds = 0;
+    dl_iterate_phdr(objects_loaded, &adds);
+    if (__atomic_load_n(&checked, __ATOMIC_ACQUIRE) &&
+        (adds == 0 || adds == __atomic_load_n(&checked_adds, __ATOMIC_RELAXED)))
+        return; /* nothing new (0: the loader does not count, looked at once) */
+    if (pthread_mutex_trylock(&check_lock) != 0)
+        return;
+    if (!checked || (adds != 0 && adds != checked_adds)) {
+        char why[256];
+        uint64_t n = count_hijacked(why, sizeof why);
+        __atomic_store_n(&checked_adds, adds, __ATOMIC_RELAXED);
+        __atomic_store_n(&checked, 1, __ATOMIC_RELEASE);
+        if (n != hijacked_said) {
+            hijacked_said = n;
+            if (n != 0)
+                cgpu_log("%llu of libcgpu's entry points resolve to other code first (%s%s): "
+                         "calls by those names can bypass its limits and gate; reported to the "
+                         "daemon",
+                         (unsigned long long)n, why, n > 3 ? ", ..." : "");
+            cgpu_report_hijacked(n);
+        }
+    }
+    pthread_mutex_unlock(&check_lock);
+}
+
+__attribute__((constructor)) static void hooks_start(void)
+{
+    selfcheck();
+}
+
+/* ------------------------------------------------------------------ */
+/* dlsym and dlvsym                                                   */
 /* ------------------------------------------------------------------ */
 
 /* RTLD_NEXT is relative to the caller (glibc takes it from the return
  * address, which would be ours), so search the objects loaded after the
- * caller ourselves, each through a proper handle. */
-static void *dlsym_next(const void *caller, const char *name)
+ * caller ourselves, each through a proper handle. version: dlvsym's, or NULL
+ * for dlsym. */
+static void *lookup_next(const void *caller, const char *name, const char *version)
 {
     Dl_info info;
     struct link_map *lm = NULL;
     if (dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) == 0 || lm == NULL)
         return NULL;
     dlsym_fn ds = get_real_dlsym();
+    dlvsym_fn dvs = get_real_dlvsym();
+    if (version != NULL && dvs == NULL)
+        return NULL;
     for (lm = lm->l_next; lm != NULL; lm = lm->l_next) {
         if (lm->l_name == NULL || lm->l_name[0] == '\0')
             continue;
         void *h = dlopen(lm->l_name, RTLD_LAZY | RTLD_NOLOAD);
         if (h == NULL)
             continue; /* the vDSO */
-        void *p = ds(h, name);
+        void *p = version != NULL ? dvs(h, name, version) : ds(h, name);
         dlclose(h);
         if (p != NULL)
             return p;
@@ -323,17 +663,54 @@ static void *dlsym_next(const void *caller, const char *name)
     return NULL;
 }
 
-CGPU_EXPORT void *dlsym(void *restrict handle, const char *restrict name)
+/* What dlsym and dlvsym hand out for `name`, found at p: libcgpu's own dlsym
+ * and dlvsym for those names (from any object, at any version: the C
+ * library's would look past every wrapper), a wrapper for a real function we
+ * wrap, else p. */
+static void *lookup_answer(const char *name, void *p)
 {
-    void *p = handle == RTLD_NEXT ? dlsym_next(__builtin_return_address(0), name)
-                                  : get_real_dlsym()(handle, name);
-    if (p == NULL || (name[0] != 'c' && name[0] != 'n') || in_resolve)
+    if (p == NULL)
+        return NULL;
+    if (name[0] == 'd' || name[0] == '_') {
+        if (strcmp(name, "dlsym") == 0 || strcmp(name, "__libc_dlsym") == 0)
+            return (void *)&dlsym;
+        if (strcmp(name, "dlvsym") == 0 || strcmp(name, "__libc_dlvsym") == 0)
+            return (void *)&dlvsym;
+        return p;
+    }
+    if ((name[0] != 'c' && name[0] != 'n') || in_resolve)
         return p;
     const struct hook *h = hook_named(name);
     if (h == NULL || cgpu_region() == NULL)
         return p;
     resolve(h->lib);
+    if (__atomic_load_n(h->real, __ATOMIC_ACQUIRE) == p)
+        return h->wrapper; /* the wrapper of that name, where names alias */
     return wrapper_for(p);
+}
+
+CGPU_EXPORT void *dlsym(void *restrict handle, const char *restrict name)
+{
+    void *p = handle == RTLD_NEXT ? lookup_next(__builtin_return_address(0), name, NULL)
+                                  : get_real_dlsym()(handle, name);
+    if (!in_resolve)
+        selfcheck();
+    return lookup_answer(name, p);
+}
+
+CGPU_EXPORT void *dlvsym(void *restrict handle, const char *restrict name,
+                         const char *restrict version)
+{
+    void *p;
+    if (handle == RTLD_NEXT) {
+        p = lookup_next(__builtin_return_address(0), name, version);
+    } else {
+        dlvsym_fn dvs = get_real_dlvsym();
+        p = dvs != NULL ? dvs(handle, name, version) : NULL;
+    }
+    if (!in_resolve)
+        selfcheck();
+    return lookup_answer(name, p);
 }
 
 /* ------------------------------------------------------------------ */
@@ -771,6 +1148,7 @@ static CUcontext primary_ctx[DEV_CACHE];      /* by device ordinal, as last reta
 void cgpu_hooks_after_fork(void)
 {
     pthread_mutex_init(&ctx_lock, NULL);
+    pthread_mutex_init(&check_lock, NULL); /* a thread that checked at the fork is gone */
     memset(ctx_refs, 0, sizeof ctx_refs);
     memset(primary_refs, 0, sizeof primary_refs);
     memset(ctx_charged, 0, sizeof ctx_charged);
@@ -1146,18 +1524,154 @@ CGPU_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream stream)
     LAUNCH(real_cuGraphLaunch_ptsz(exec, stream), stream, 1);
 }
 
+/* The launches of CUDA 2 (deprecated, still exported): on the legacy stream,
+ * or cuLaunchGridAsync's. */
+CGPU_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    ENSURE_CUDA(cuLaunch);
+    LAUNCH(real_cuLaunch(f), NULL, 0);
+}
+
+CGPU_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    ENSURE_CUDA(cuLaunchGrid);
+    LAUNCH(real_cuLaunchGrid(f, grid_width, grid_height), NULL, 0);
+}
+
+CGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height,
+                                       CUstream stream)
+{
+    ENSURE_CUDA(cuLaunchGridAsync);
+    LAUNCH(real_cuLaunchGridAsync(f, grid_width, grid_height, stream), stream, 0);
+}
+
+/* One kernel per device on streams of several contexts: gated and counted on
+ * the current context's GPU as one launch; its streams are not bounded. */
+CGPU_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *list,
+                                                          unsigned int numDevices,
+                                                          unsigned int flags)
+{
+    ENSURE_CUDA(cuLaunchCooperativeKernelMultiDevice);
+    const struct cgpu_control *r;
+    int g = launch_gpu(&r);
+    if (g < 0)
+        return real_cuLaunchCooperativeKernelMultiDevice(list, numDevices, flags);
+    cgpu_launch_enter(r, g);
+    CUresult rc = real_cuLaunchCooperativeKernelMultiDevice(list, numDevices, flags);
+    cgpu_launch_exit(g);
+    return rc;
+}
+
+/* Copies and sets the GPU runs (device to device, generic, 2D, 3D, peer) are
+ * launches: the gate, the count, the in-flight bound of their stream (the
+ * synchronous forms: the legacy stream, or with _ptds the thread's). Copies
+ * from and to the host are not gated. */
+#define GATED(name, params, args, stream, ptsz)                                                  \
+    CGPU_EXPORT CUresult name params                                                             \
+    {                                                                                            \
+        ENSURE_CUDA(name);                                                                       \
+        LAUNCH(real_##name args, stream, ptsz);                                                  \
+    }
+
+#define COPY_ARGS CUdeviceptr dst, CUdeviceptr src, size_t n
+#define PEER_ARGS CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t n
+GATED(cuMemcpy, (COPY_ARGS), (dst, src, n), NULL, 0)
+GATED(cuMemcpy_ptds, (COPY_ARGS), (dst, src, n), NULL, 1)
+GATED(cuMemcpyAsync, (COPY_ARGS, CUstream s), (dst, src, n, s), s, 0)
+GATED(cuMemcpyAsync_ptsz, (COPY_ARGS, CUstream s), (dst, src, n, s), s, 1)
+GATED(cuMemcpyDtoD_v2, (COPY_ARGS), (dst, src, n), NULL, 0)
+GATED(cuMemcpyDtoD_v2_ptds, (COPY_ARGS), (dst, src, n), NULL, 1)
+GATED(cuMemcpyDtoDAsync_v2, (COPY_ARGS, CUstream s), (dst, src, n, s), s, 0)
+GATED(cuMemcpyDtoDAsync_v2_ptsz, (COPY_ARGS, CUstream s), (dst, src, n, s), s, 1)
+GATED(cuMemcpy2D_v2, (const CUDA_MEMCPY2D *c), (c), NULL, 0)
+GATED(cuMemcpy2D_v2_ptds, (const CUDA_MEMCPY2D *c), (c), NULL, 1)
+GATED(cuMemcpy2DUnaligned_v2, (const CUDA_MEMCPY2D *c), (c), NULL, 0)
+GATED(cuMemcpy2DUnaligned_v2_ptds, (const CUDA_MEMCPY2D *c), (c), NULL, 1)
+GATED(cuMemcpy2DAsync_v2, (const CUDA_MEMCPY2D *c, CUstream s), (c, s), s, 0)
+GATED(cuMemcpy2DAsync_v2_ptsz, (const CUDA_MEMCPY2D *c, CUstream s), (c, s), s, 1)
+GATED(cuMemcpy3D_v2, (const CUDA_MEMCPY3D *c), (c), NULL, 0)
+GATED(cuMemcpy3D_v2_ptds, (const CUDA_MEMCPY3D *c), (c), NULL, 1)
+GATED(cuMemcpy3DAsync_v2, (const CUDA_MEMCPY3D *c, CUstream s), (c, s), s, 0)
+GATED(cuMemcpy3DAsync_v2_ptsz, (const CUDA_MEMCPY3D *c, CUstream s), (c, s), s, 1)
+GATED(cuMemcpyPeer, (PEER_ARGS), (dst, dctx, src, sctx, n), NULL, 0)
+GATED(cuMemcpyPeer_ptds, (PEER_ARGS), (dst, dctx, src, sctx, n), NULL, 1)
+GATED(cuMemcpyPeerAsync, (PEER_ARGS, CUstream s), (dst, dctx, src, sctx, n, s), s, 0)
+GATED(cuMemcpyPeerAsync_ptsz, (PEER_ARGS, CUstream s), (dst, dctx, src, sctx, n, s), s, 1)
+GATED(cuMemcpy3DPeer, (const CUDA_MEMCPY3D_PEER *c), (c), NULL, 0)
+GATED(cuMemcpy3DPeer_ptds, (const CUDA_MEMCPY3D_PEER *c), (c), NULL, 1)
+GATED(cuMemcpy3DPeerAsync, (const CUDA_MEMCPY3D_PEER *c, CUstream s), (c, s), s, 0)
+GATED(cuMemcpy3DPeerAsync_ptsz, (const CUDA_MEMCPY3D_PEER *c, CUstream s), (c, s), s, 1)
+
+/* The sets of one element type, as CGPU_SET_HOOKS lists them. */
+#define GATED_SETS(bits, type)                                                                   \
+    GATED(cuMemsetD##bits##_v2, (CUdeviceptr d, type v, size_t n), (d, v, n), NULL, 0)          \
+    GATED(cuMemsetD##bits##_v2_ptds, (CUdeviceptr d, type v, size_t n), (d, v, n), NULL, 1)     \
+    GATED(cuMemsetD##bits##Async, (CUdeviceptr d, type v, size_t n, CUstream s), (d, v, n, s),  \
+          s, 0)                                                                                  \
+    GATED(cuMemsetD##bits##Async_ptsz, (CUdeviceptr d, type v, size_t n, CUstream s),           \
+          (d, v, n, s), s, 1)                                                                    \
+    GATED(cuMemsetD2D##bits##_v2, (CUdeviceptr d, size_t p, type v, size_t w, size_t h),       \
+          (d, p, v, w, h), NULL, 0)                                                              \
+    GATED(cuMemsetD2D##bits##_v2_ptds, (CUdeviceptr d, size_t p, type v, size_t w, size_t h),  \
+          (d, p, v, w, h), NULL, 1)                                                              \
+    GATED(cuMemsetD2D##bits##Async,                                                              \
+          (CUdeviceptr d, size_t p, type v, size_t w, size_t h, CUstream s),                     \
+          (d, p, v, w, h, s), s, 0)                                                              \
+    GATED(cuMemsetD2D##bits##Async_ptsz,                                                         \
+          (CUdeviceptr d, size_t p, type v, size_t w, size_t h, CUstream s),                     \
+          (d, p, v, w, h, s), s, 1)
+GATED_SETS(8, unsigned char)
+GATED_SETS(16, unsigned short)
+GATED_SETS(32, unsigned int)
+
 /* ------------------------------------------------------------------ */
 /* cuGetProcAddress                                                   */
 /* ------------------------------------------------------------------ */
+
+/* The driver's answer to a lookup of `symbol`, as the caller gets it: where
+ * the name is one we wrap, our wrapper of the variant the version and flags
+ * pick (the driver's own pick where its pointer is one we know), whatever
+ * pointer the driver gave. A name we wrap, at a version older than every
+ * variant we have (an older ABI, which we do not gate), is refused. */
+static CUresult proc_answer(CUresult rc, const char *symbol, void **pfn, int cudaVersion,
+                            cuuint64_t flags, CUdriverProcAddressQueryResult *status)
+{
+    selfcheck();
+    if (rc != CUDA_SUCCESS || pfn == NULL || *pfn == NULL || symbol == NULL ||
+        cgpu_region() == NULL)
+        return rc;
+    void *known = wrapper_of(*pfn, symbol);
+    if (known != *pfn) {
+        *pfn = known;
+        return rc;
+    }
+    int family;
+    const struct hook *h = hook_for_proc(symbol, cudaVersion, flags, &family);
+    if (h == NULL && !family)
+        h = hook_named(symbol); /* asked by its exported name */
+    if (h != NULL) {
+        *pfn = h->wrapper;
+        return rc;
+    }
+    if (!family)
+        return rc;
+    static int said;
+    if (!__atomic_exchange_n(&said, 1, __ATOMIC_RELAXED))
+        cgpu_log("cuGetProcAddress(%s) for CUDA %d refused: an older variant libcgpu does not "
+                 "wrap",
+                 symbol, cudaVersion);
+    *pfn = NULL;
+    if (status != NULL)
+        *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+    return CUDA_ERROR_NOT_FOUND;
+}
 
 CGPU_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
                                          cuuint64_t flags, CUdriverProcAddressQueryResult *status)
 {
     ENSURE_CUDA(cuGetProcAddress_v2);
     CUresult rc = real_cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, status);
-    if (rc == CUDA_SUCCESS && pfn != NULL && cgpu_region() != NULL)
-        *pfn = wrapper_for(*pfn);
-    return rc;
+    return proc_answer(rc, symbol, pfn, cudaVersion, flags, status);
 }
 
 CUresult cgpu_cuGetProcAddress_legacy(const char *symbol, void **pfn, int cudaVersion,
@@ -1168,7 +1682,5 @@ CUresult cgpu_cuGetProcAddress_legacy(const char *symbol, void **pfn, int cudaVe
     if (real_cuGetProcAddress_legacy == NULL)
         return cuda_missing("cuGetProcAddress");
     CUresult rc = real_cuGetProcAddress_legacy(symbol, pfn, cudaVersion, flags);
-    if (rc == CUDA_SUCCESS && pfn != NULL && cgpu_region() != NULL)
-        *pfn = wrapper_for(*pfn);
-    return rc;
+    return proc_answer(rc, symbol, pfn, cudaVersion, flags, NULL);
 }

@@ -156,7 +156,7 @@ static void slot_zero_usage(struct cgpu_proc *s)
         __atomic_store_n(&pg->pending, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&pg->contexts, 0, __ATOMIC_RELAXED);
         __atomic_store_n(&pg->watching, 0, __ATOMIC_RELAXED);
-        pg->launches = pg->reserved64 = pg->gate_wait_ns = 0;
+        pg->launches = pg->hijacked = pg->gate_wait_ns = 0;
         pg->allocs = pg->oom_refusals = pg->ctx_bytes = 0;
         pg->drained_seq = pg->drained_ns = 0;
     }
@@ -363,6 +363,25 @@ static void read_comm(char *out, size_t len)
         out[n - 1] = '\0';
 }
 
+/* What hooks.c's self-check found (cgpu_report_hijacked), on each GPU line. */
+static uint64_t my_hijacked;
+
+static void put_hijacked(struct cgpu_proc *s)
+{
+    uint32_t n = cgpu_region_ptr != NULL ? cgpu_region_ptr->ngpus : 0;
+    uint64_t v = __atomic_load_n(&my_hijacked, __ATOMIC_RELAXED);
+    for (uint32_t g = 0; g < n && g < CGPU_MAX_GPUS; g++)
+        __atomic_store_n(&s->gpu[g].hijacked, v, __ATOMIC_RELAXED);
+}
+
+void cgpu_report_hijacked(uint64_t n)
+{
+    __atomic_store_n(&my_hijacked, n, __ATOMIC_RELAXED);
+    struct cgpu_proc *s = cgpu_region() != NULL ? cgpu_slot() : NULL;
+    if (s != NULL)
+        put_hijacked(s);
+}
+
 struct cgpu_proc *cgpu_slot_claim(void)
 {
     struct cgpu_account *r = cgpu_region() != NULL ? cgpu_account_ptr : NULL;
@@ -387,6 +406,7 @@ struct cgpu_proc *cgpu_slot_claim(void)
                                          __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
             continue;
         slot_zero_usage(s);
+        put_hijacked(s);
         s->start_time = start;
         my_pid = pid;
         my_start = start;

@@ -171,7 +171,7 @@ struct cgpu_proc_gpu {
     uint64_t mem;            /* bytes held, including `inflight` */
     uint64_t inflight;       /* part of `mem` still being checked against the limit */
     uint64_t launches;       /* kernel and graph launches issued */
-    uint64_t reserved64;     /* 0 */
+    uint64_t hijacked;       /* wrapped names other code here defines ahead of libcgpu */
     uint64_t gate_wait_ns;   /* total time launches spent blocked at the closed gate */
     uint32_t pending;        /* launches waiting now: at the gate, or for the GPU (max_inflight) */
     uint32_t contexts;       /* contexts held (ctx_bytes charged while > 0) */

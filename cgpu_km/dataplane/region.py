@@ -134,7 +134,7 @@ class ProcGpu(ctypes.Structure):
         ("mem", ctypes.c_uint64),
         ("inflight", ctypes.c_uint64),
         ("launches", ctypes.c_uint64),
-        ("reserved64", ctypes.c_uint64),
+        ("hijacked", ctypes.c_uint64),
         ("gate_wait_ns", ctypes.c_uint64),
         ("pending", ctypes.c_uint32),
         ("contexts", ctypes.c_uint32),
@@ -212,7 +212,9 @@ class Seen:
 @dataclass(frozen=True)
 class ProcView:
     """A live process slot as its process wrote it (untrusted); per-GPU tuples
-    are indexed by container GPU."""
+    are indexed by container GPU. `hijacked`: how many of libcgpu's entry
+    points other code in the process defines ahead of it (libcgpu's
+    self-check; 0: none), so that calls by those names may bypass it."""
 
     slot: int
     pid: int
@@ -227,6 +229,7 @@ class ProcView:
     contexts: tuple[int, ...]
     oom_refusals: tuple[int, ...]
     ctx_bytes: tuple[int, ...] = ()
+    hijacked: int = 0
 
 
 @dataclass(frozen=True)
@@ -661,6 +664,7 @@ class Region:
                 contexts=tuple(int(p.contexts) for p in per),
                 oom_refusals=tuple(int(p.oom_refusals) for p in per),
                 ctx_bytes=tuple(int(p.ctx_bytes) for p in per),
+                hijacked=max((int(p.hijacked) for p in per), default=0),
             ))
         return views
 

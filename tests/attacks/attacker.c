@@ -304,7 +304,7 @@ static void forge_random_slot(struct cgpu_account *a, uint64_t *state)
     s->start_time = next_random(state);
     pg->mem = next_random(state);
     pg->launches = next_random(state);
-    pg->reserved64 = next_random(state);
+    pg->hijacked = next_random(state);
     pg->pending = (uint32_t)(next_random(state) % 3);
     pg->watching = (uint32_t)(next_random(state) % 2);
     pg->drained_seq = next_random(state) % 4 == 0 ? next_random(state) : pg->drained_seq + 1;
