@@ -10,11 +10,14 @@
 # mount-free cgpu_km.tree.plain), starts cgpu-daemon, and runs four sections
 # (tests/gpu/harness.py): 1. memory, 2. compute (weights 1:2 under policies
 # 2, 1, 5), 3. overhead, 4. latency (make bench's latency rows, sharework's
-# timed kernels: no scheduler against policies 1, 2, 4). About 8 minutes on
-# a GPU. It prints tables and one PASS/FAIL line per check;
-# with $OUT set it saves validate.txt, tables.md, checks.txt and
-# validate-logs.tar.gz there. Exit status: 0 when every section measured
-# (whatever the figures), 1 when a section could not run, 2 on a broken setup.
+# timed kernels: no scheduler against policies 1, 2, 4). Before them,
+# tests/gpu/procaddr_probe.c checks that cuGetProcAddress, dlsym and dlvsym
+# answer each name libcgpu wraps with its wrapper on this driver. About 8
+# minutes on a GPU. It prints tables and one PASS/FAIL line per check;
+# with $OUT set it saves validate.txt, tables.md, checks.txt, procaddr.txt
+# (the probe's answers) and validate-logs.tar.gz there. Exit status: 0 when
+# every section measured (whatever the figures), 1 when a section could not
+# run, 2 on a broken setup.
 #
 # Environment knobs: CGPU_VALIDATE_TREE=auto|proc|fuse|plain (auto),
 # CGPU_VALIDATE_BUDGET (seconds for the whole run: 540, simulated 240),
@@ -30,7 +33,7 @@ SIMULATE=0
 for arg in "$@"; do
     case "$arg" in
         --simulate) SIMULATE=1 ;;
-        -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "validate.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -49,12 +52,13 @@ if [ -z "${CGPU_VALIDATE_WORK:-}" ]; then
     bash "${BASH_SOURCE[0]}" "$@" 2>&1 | tee "$transcript"
     rc=${PIPESTATUS[0]}
     if [ -n "${OUT:-}" ]; then
-        for f in tables.md checks.txt; do
-            [ -f "$CGPU_VALIDATE_WORK/$f" ] && cp "$CGPU_VALIDATE_WORK/$f" "$OUT/$f"
+        saved=validate.txt
+        for f in tables.md checks.txt procaddr.txt; do
+            [ -f "$CGPU_VALIDATE_WORK/$f" ] && cp "$CGPU_VALIDATE_WORK/$f" "$OUT/$f" && saved="$saved, $f"
         done
         tar -czf "$OUT/validate-logs.tar.gz" -C "$CGPU_VALIDATE_WORK" \
-            --exclude=site --exclude=simgpu-state --exclude=regions --exclude=tree . 2>/dev/null
-        echo "saved validate.txt, tables.md, checks.txt, validate-logs.tar.gz in $OUT"
+            --exclude=site --exclude=simgpu-state --exclude=regions --exclude=tree --exclude=procaddr_probe . 2>/dev/null
+        echo "saved $saved, validate-logs.tar.gz in $OUT"
     fi
     exit "$rc"
 fi
@@ -191,6 +195,36 @@ if [ "${CGPU_VALIDATE_LIBCGPU_CHECK:-0}" = 1 ] && [ "$MODE" = real ]; then
     log "libcgpu's own real-GPU check (tests/gpu/libcgpu_torch.py --no-bench)"
     timeout -k 5 180 "$PY" tests/gpu/libcgpu_torch.py --no-bench 2>&1 | tee "$WORK/logs/libcgpu_torch.log"
 fi
+
+# --- libcgpu's lookup routes: cuGetProcAddress(_v2), dlsym and dlvsym answer every wrapped
+# name with libcgpu's wrapper on this driver (tests/gpu/procaddr_probe.c; issue 36) -----------
+probe_lookups() {
+    local probe=$WORK/procaddr_probe region=$WORK/probe-region cc rc
+    cc=$(command -v gcc || command -v cc) || { log "no C compiler: the lookup probe does not run"; return 0; }
+    if ! timeout 120 "$cc" -std=gnu11 -O2 -o "$probe" tests/gpu/procaddr_probe.c -ldl \
+            >"$WORK/logs/build-procaddr.log" 2>&1; then
+        echo "FAIL lookups: tests/gpu/procaddr_probe.c did not build (logs/build-procaddr.log)" >> "$WORK/checks.txt"
+        return 0
+    fi
+    # the driver's own answers, without libcgpu, then libcgpu's (it swaps only with a region)
+    env -u LD_PRELOAD timeout 120 "$probe" --lib libcgpu/libcgpu.so --driver \
+        >"$WORK/logs/procaddr-driver.txt" 2>&1
+    timeout 60 "$PY" -c 'import sys; from cgpu_km.dataplane import region as r
+r.Region.create(sys.argv[1], "procaddr-probe", [r.GpuSpec(0)], gates_open=True).close()' "$region" \
+        || { echo "FAIL lookups: cannot create the probe's region" >> "$WORK/checks.txt"; return 0; }
+    LD_PRELOAD="$REPO/libcgpu/libcgpu.so" CGPU_REGION="$region" timeout 120 "$probe" \
+        --lib libcgpu/libcgpu.so --expect "$WORK/logs/procaddr-driver.txt" >"$WORK/procaddr.txt" 2>&1
+    rc=$?
+    rm -rf "$region"
+    grep -v '^q ' "$WORK/procaddr.txt" | tail -8
+    if [ "$rc" = 0 ]; then
+        echo "PASS lookups: $(tail -1 "$WORK/procaddr.txt" | sed 's/^procaddr_probe: //'): every answer is libcgpu's wrapper" >> "$WORK/checks.txt"
+    else
+        echo "FAIL lookups: $(grep -c '^FAIL' "$WORK/procaddr.txt") lookup(s) did not end at libcgpu's wrapper (procaddr.txt, status $rc)" >> "$WORK/checks.txt"
+    fi
+}
+log "libcgpu's lookup routes (tests/gpu/procaddr_probe.c)"
+probe_lookups
 NGPUS=$(timeout 60 "$PY" -m cgpu_km.daemon --count-gpus 2>"$WORK/logs/count-gpus.log") \
     || { cat "$WORK/logs/count-gpus.log"; broken "cgpu-daemon --count-gpus failed"; }
 log "GPUs: $NGPUS"

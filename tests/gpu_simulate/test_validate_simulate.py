@@ -68,7 +68,9 @@ def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
             assert int(line.group(1)) >= 50, (row, sched, line.group(0))
     assert re.search(r"^(PASS|FAIL) latency: worst interactive p99", out, re.MULTILINE)
     saved = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert saved == ["checks.txt", "tables.md", "validate-logs.tar.gz", "validate.txt"]
+    assert saved == ["checks.txt", "procaddr.txt", "tables.md", "validate-logs.tar.gz",
+                     "validate.txt"]
+    assert re.search(r"^PASS lookups: driver \d+, \d+ queries", out, re.MULTILINE), out[-3000:]
     assert "### 3. Overhead" in (tmp_path / "out" / "tables.md").read_text()
 
 
