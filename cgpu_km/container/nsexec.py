@@ -16,9 +16,14 @@ capability outside HOSTPID's bounding set, take HOSTPID's uid, gid and
 groups, set no_new_privs, and fork: the child (in the container's pid
 namespace) installs the filters, asks for the label at exec and executes
 PROGRAM as resolved in the container's file system. It is killed after the
-timeout. Exit status: PROGRAM's, 124 on timeout, 125 when the container
-could not be entered or its sandbox not reproduced (one line on stderr
-says why; nothing ran).
+timeout. PROGRAM's stdout and stderr both go to this process's stdout; this
+process's own messages go to its stderr. Exit status: PROGRAM's, 124 on
+timeout, 125 when the container could not be entered or its sandbox not
+reproduced (one line on stderr says why; nothing ran).
+
+Every wait is bounded: HOSTPID is stopped for the copy of its filters, and a
+process whose thread waits in vfork() never reports that stop, so after
+`STOP_WAIT` seconds the copy is given up and nothing runs.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ PTRACE_SEIZE = 0x4206
 PTRACE_INTERRUPT = 0x4207
 PTRACE_SECCOMP_GET_FILTER = 0x420C
 WALL = 0x40000000  # __WALL: wait for a tracee that is not our child
+STOP_WAIT = 1.0  # seconds HOSTPID has to stop for the copy of its seccomp filters
 SOCK_FILTER_SIZE = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
 CAP_LAST_CAP_PATH = "/proc/sys/kernel/cap_last_cap"
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -181,7 +187,9 @@ def mapped_id(pid: int, kind: str, host_id: int) -> int:
 def seccomp_filters(pid: int) -> list[bytes]:
     """`pid`'s seccomp filters as cBPF programs, the first installed first
     ([] when it has none). The process is stopped (PTRACE_INTERRUPT) for the
-    copy, then let go; EnterError when they cannot be copied."""
+    copy, then let go (a process stopped before stays stopped); EnterError
+    when they cannot be copied, or when it did not stop within `STOP_WAIT`
+    (a thread in vfork() stops only when its child execs or exits)."""
     status = kernelview.parse_status(kernelview.read_proc(f"/proc/{pid}/status"))
     mode = status.get("Seccomp", "0")
     if mode == "0":
@@ -193,7 +201,7 @@ def seccomp_filters(pid: int) -> list[bytes]:
                          f"{os.strerror(ctypes.get_errno())}")
     try:
         _check(int(_libc.ptrace(PTRACE_INTERRUPT, pid, None, None)), "ptrace interrupt")
-        os.waitpid(pid, WALL)
+        wait_stopped(pid, STOP_WAIT)
         programs = []
         for index in range(4096):
             count = int(_libc.ptrace(PTRACE_SECCOMP_GET_FILTER, pid, index, None))
@@ -211,6 +219,23 @@ def seccomp_filters(pid: int) -> list[bytes]:
     if not programs:
         raise EnterError(f"pid {pid} runs under seccomp but no filter could be read")
     return programs[::-1]  # index 0 is the newest
+
+
+def wait_stopped(pid: int, seconds: float) -> None:
+    """Wait, at most `seconds`, for the tracee `pid` to report its stop; EnterError
+    when it did not (never an unbounded waitpid: a thread in vfork() would hold it)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            done, _status = os.waitpid(pid, os.WNOHANG | WALL)
+        except ChildProcessError:
+            raise EnterError(f"pid {pid} exited while its seccomp filter was copied") from None
+        if done:
+            return
+        if time.monotonic() >= deadline:
+            raise EnterError(f"pid {pid} did not stop within {seconds:g} s for the copy of its "
+                             "seccomp filter (a thread of it may wait in vfork)")
+        time.sleep(0.001)
 
 
 def install_seccomp(programs: Sequence[bytes]) -> None:
@@ -325,19 +350,23 @@ def run(pid: int, owner: kernelview.Owner, argv: Sequence[str], env: dict[str, s
     except (EnterError, OSError) as error:
         print(f"cgpu-nsexec: cannot enter the container of pid {pid}: {error}", file=sys.stderr)
         return 125
+    sys.stdout.flush()
+    sys.stderr.flush()
     child = os.fork()
     if child == 0:
+        report = os.dup(2)  # this process's messages (close-on-exec)
+        os.dup2(1, 2)  # the program's stderr goes where its stdout goes
         try:
             sandbox.apply()
         except (EnterError, OSError) as error:
-            print(f"cgpu-nsexec: {argv[0]} not run: the container's sandbox: {error}",
-                  file=sys.stderr)
+            os.write(report, f"cgpu-nsexec: {argv[0]} not run: the container's sandbox: "
+                             f"{error}\n".encode(errors="backslashreplace"))
             os._exit(125)
         try:
             os.execvpe(argv[0], list(argv), env)
         except OSError as error:
-            print(f"cgpu-nsexec: cannot run {argv[0]} in the container: {error.strerror}",
-                  file=sys.stderr)
+            os.write(report, f"cgpu-nsexec: cannot run {argv[0]} in the container: "
+                             f"{error.strerror}\n".encode(errors="backslashreplace"))
         os._exit(127)
     deadline = time.monotonic() + timeout
     while True:
