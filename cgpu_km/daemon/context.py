@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from cgpu_km.dataplane.stopping import OOM_SCRIPT_TIMEOUT
 from cgpu_km.sched import QUANTUM, ContainerSpec, GpuConfig
 from cgpu_km.tree.views import GpuNodes, Key
 
@@ -29,7 +30,9 @@ class Settings:
     reclaim_interval: float = 1.0  # the kernel is asked which slots' processes are gone
     publish_interval: float = 2.0  # snapshot for cgpu-smi and /metrics
     save_interval: float = 5.0  # state file (also written on exit and before a hot update)
-    stop_deadline: float = 15.0  # a stop (OOM script, then SIGKILL) is given up after this
+    stop_deadline: float = 15.0  # a process frozen for its OOM script is killed within this
+    oom_script_timeout: float = OOM_SCRIPT_TIMEOUT  # an OOM script's deadline and turn wait
+    oom_scripts: int = 4  # OOM scripts run at once, node-wide (the others wait, frozen)
     call_deadline: float = 30.0  # a blocking call (a wedged FUSE mount, a hung NVML) after this
     # A process of a managed container that holds GPU memory without libcgpu
     # (policies 0-4): "stop" (SIGKILL) or "report" (the journal, cgpu-smi and
@@ -44,6 +47,12 @@ class Settings:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+        if not (isinstance(self.oom_script_timeout, int | float)
+                and math.isfinite(self.oom_script_timeout) and self.oom_script_timeout > 0):
+            raise ValueError("oom_script_timeout must be a positive number of seconds, not "
+                             f"{self.oom_script_timeout!r}")
+        if not (isinstance(self.oom_scripts, int) and self.oom_scripts > 0):
+            raise ValueError(f"oom_scripts must be a positive count, not {self.oom_scripts!r}")
         if self.on_bypass not in BYPASS_ACTIONS:
             raise ValueError(f"on_bypass must be {' or '.join(BYPASS_ACTIONS)}, "
                              f"not {self.on_bypass!r}")

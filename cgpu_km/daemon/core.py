@@ -8,6 +8,8 @@ thread and its own schedule, so one slow service never holds up another.
   stamps the heartbeat; the daemon only configures them;
 - reclaim (`regions`): dead processes' slots freed;
 - memory (`memory`): meminfo fed into the tree, the backstop;
+- stops (`stops`): every stop of the node, each in a task and a thread of
+  its own (OOM scripts in a pool of their own, their processes frozen);
 - publishing (`publishing`): the snapshot, the state file;
 - lifecycle (`lifecycle`): systemd, signals, the hot update.
 
@@ -37,12 +39,11 @@ from cgpu_km.daemon.memory import MemoryService
 from cgpu_km.daemon.publishing import Publisher, StateFile
 from cgpu_km.daemon.regions import serve_reclaim
 from cgpu_km.daemon.sdnotify import Notifier, watchdog_interval
+from cgpu_km.daemon.stops import Stops
 from cgpu_km.daemon.treesync import TreeSync
 from cgpu_km.gpus import GpuInfo
 
 log = logging.getLogger("cgpu-daemon")
-
-STOP_THREADS = 4  # processes stopped at once (an OOM script may take seconds)
 
 
 class Daemon:
@@ -79,11 +80,11 @@ class Daemon:
         self.sync = TreeSync(tree, plane, self.settings, worker("tree"),
                              attach_worker=worker("attach"), limits=limits_out,
                              restored=self.state_file.load(), on_upgrade=self.lifecycle.upgrade)
+        # Each stop in a task and a thread of its own, with a deadline of its own.
+        self.stops = Stops(plane, self.settings, blocking=blocking)
         self.memory = MemoryService(
             tree, plane, limits_in, self.settings, worker=worker("memory"),
-            feed_worker=worker("meminfo"),
-            # Each stop has a deadline of its own (stop_deadline), in its own task.
-            stop_workers=Worker("stop", blocking, threads=STOP_THREADS))
+            feed_worker=worker("meminfo"), stops=self.stops)
         self.publisher = Publisher(plane, self.sync, self.memory, self.state_file,
                                    self.settings, worker("publish"), gpu_info=gpu_info or {},
                                    publish=publish)
@@ -100,6 +101,7 @@ class Daemon:
                 await self.lifecycle.finish_upgrade_if_restarted(self.tree)
                 await services.start(serve_reclaim, self.plane, self.settings,
                                      self._reclaim_worker)
+                await services.start(self.stops.serve)
                 await services.start(self.memory.serve)
                 await services.start(self.publisher.serve)
                 interval = watchdog_interval()

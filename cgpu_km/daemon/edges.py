@@ -9,7 +9,7 @@ tests inject fakes and run it in trio's mock time:
   real ones are `cgpu_km.tree.fstree.FsTree` and `cgpu_km.tree.watch`.
 - `Plane`: the data plane: the regions, one dispatcher thread per GPU that
   hands the GPU to one container at a time, per-process memory from NVML
-  attributed by the kernel, and stopping processes over their limit. The
+  attributed by the kernel, and the processes to stop, pinned. The
   real one is `cgpu_km.dataplane.plane.RegionPlane`.
 """
 
@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from cgpu_km.dataplane.attribution import MemoryView
 from cgpu_km.dataplane.dispatch import Figures
+from cgpu_km.dataplane.stopping import ScriptResult
 from cgpu_km.sched import GpuConfig
 from cgpu_km.tree.views import Change, ContainerNodes, GpuNodes, Key, QuickView
 
@@ -55,6 +56,45 @@ class Tree(Protocol):
 
     def watcher(self) -> Watcher | None:
         """A change watcher for this tree, or None (then the daemon polls every period)."""
+
+
+class ScriptRun(Protocol):
+    """An OOM script under way (`StopTarget.start_script`)."""
+
+    def ended(self) -> bool:
+        """Whether it ended (returns at once)."""
+
+    def kill(self) -> None:
+        """Kill it and what it started (returns at once)."""
+
+    def end(self) -> ScriptResult:
+        """Kill what is left of it; its status and output (blocking, briefly)."""
+
+
+class StopTarget(Protocol):
+    """A process pinned for a stop: signals reach it or nothing
+    (`cgpu_km.dataplane.stopping.Target`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def oom_script(self) -> str:
+        """The OOM script to run before the SIGKILL ("": none)."""
+
+    def freeze(self) -> None:
+        """Stop it running (SIGSTOP; returns at once)."""
+
+    def kill(self) -> None:
+        """SIGKILL (returns at once)."""
+
+    def gone(self) -> bool:
+        """Whether it has exited (returns at once)."""
+
+    def start_script(self, timeout: float) -> ScriptRun:
+        """Start `oom_script` inside its container (blocking, briefly); OSError."""
+
+    def close(self) -> None: ...
 
 
 class Plane(Protocol):
@@ -99,9 +139,10 @@ class Plane(Protocol):
     def reclaim(self) -> int:
         """Free the process slots whose process the kernel says is gone (blocking)."""
 
-    def stop(self, key: Key, pid: int, *, oom_script: bool = True) -> None:
-        """Stop a process of container `key` (blocking: in eGPU mode, with
-        `oom_script`, the container's OOM script first)."""
+    def target(self, key: Key, pid: int, *, oom_script: bool = True) -> StopTarget | None:
+        """Host pid `pid` pinned for a stop, when the kernel says it is (still) a
+        process of container `key`; None when it is not (blocking, briefly). Its
+        `oom_script` is the container's in eGPU mode, with `oom_script`."""
 
     def close(self) -> None:
         """Stop every dispatcher; every gate opens (fail open)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Mapping, Set
@@ -175,37 +174,41 @@ class RegionPlane:
                 freed += len(gone)
         return freed
 
-    def stop(self, key: Key, pid: int, *, oom_script: bool = True) -> None:
-        """Stop `pid` (a host pid the kernel put in container `key`): eGPU's OOM
-        script first (with `oom_script`), inside the container as the
-        process's user, then SIGKILL."""
+    def target(self, key: Key, pid: int, *, oom_script: bool = True
+               ) -> stopping.Target | None:
+        """`pid` (a host pid the kernel put in container `key`) pinned by a pidfd
+        for a stop, with eGPU's OOM script (with `oom_script`), to be run inside
+        the container as the process's user; None when it is not (any more) a
+        process of that container."""
         found = self.registry.keys().get(key)
         info = self.attribution.info(pid)
         if found is None or info is None:
-            return
+            return None
         entry, k = found
         if entry.owner is None or not kernelview.belongs(info, entry.owner,
                                                          self.attribution.host,
                                                          self.attribution.proc):
-            return  # not (any more) a process of that container
+            return None  # not (any more) a process of that container
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:
-            return
+            return None
         try:
             again = kernelview.process_info(pid, self.attribution.proc)
-            if again is None or again.start_time != info.start_time:
-                return  # another process got the pid
+            if again is None or again.start_time != info.start_time \
+                    or again.state in ("Z", "X"):
+                os.close(pidfd)
+                return None  # another process got the pid, or it has exited
             script = entry.region.oom_script if oom_script and entry.region.mode == "egpu" \
                 else ""
-            usage = sum(p.mem[k] for p in entry.region.processes())
-            stopping.stop_process(pid, oom_script=script, owner=entry.owner, env={
+            usage = sum(p.mem[k] for p in entry.region.processes()) if script else 0
+            return stopping.Target(pid, pidfd, oom_script=script, owner=entry.owner, env={
                 "CGPU_OOM_CONTAINER": entry.name, "CGPU_OOM_GPU": str(k),
                 "CGPU_OOM_LIMIT": str(entry.region.limit(k)), "CGPU_OOM_USAGE": str(usage),
-                "CGPU_OOM_PID": str(info.inner_pid)}, kill=lambda: signal.pidfd_send_signal(
-                    pidfd, signal.SIGKILL))
-        finally:
+                "CGPU_OOM_PID": str(info.inner_pid)})
+        except BaseException:
             os.close(pidfd)
+            raise
 
 
 def make_plane(region_dir: str | None, *, quantum: float = QUANTUM) -> RegionPlane:

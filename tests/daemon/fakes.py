@@ -3,8 +3,10 @@
 `MemoryTree` holds a tree in memory with the daemon-facing operations of
 `cgpu_km.daemon.edges.Tree`; `FakePlane` records what the daemon asks of the
 data plane (configurations, limits, stops) and returns the memory figures a
-test sets; `FakeWatcher` stands for inotify (a pipe). Nothing here touches
-the system; trio's mock clock works.
+test sets; `FakeWatcher` stands for inotify (a pipe). `FakeTarget` and
+`FakeScript` stand for a process pinned for a stop and its OOM script, in
+the trio clock where there is one. Nothing here touches the system; trio's
+mock clock works.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import trio
+
 from cgpu_km.dataplane.attribution import ContainerMemory, MemoryView
 from cgpu_km.dataplane.dispatch import Figures
+from cgpu_km.dataplane.stopping import ScriptResult
 from cgpu_km.sched import GpuConfig
 from cgpu_km.tree.client import ContainerView, GpuView
 from cgpu_km.tree.views import Change, ContainerNodes, GpuNodes, Key, QuickView
@@ -145,10 +150,16 @@ class FakePlane:
         self.memory_by: dict[Key, dict[int, int]] = {}
         self.unmanaged: dict[Key, set[int]] = {}
         self.egpu_keys: set[Key] = set()
-        self.stopped: list[tuple[Key, int]] = []
-        self.stopped_with_script: list[bool] = []  # each stop's oom_script
-        self.stops_held: threading.Event | None = None  # a slow stop (an OOM script) ends
-        self.stops_begun = 0  # when this is set
+        self.stopped: list[tuple[Key, int]] = []  # each SIGKILL
+        self.stopped_with_script: list[bool] = []  # each SIGKILLed target's oom_script
+        self.stops_held: threading.Event | None = None  # a slow pin ends when this is set
+        self.stops_begun = 0  # pins asked for
+        self.oom_scripts: dict[Key, str] = {}  # eGPU containers' OOM scripts
+        self.script_seconds: float | None = 0.0  # how long a script runs (None: until killed)
+        self.script_status = 0
+        self.script_output = b""
+        self.unkillable: set[int] = set()  # pids that stay after SIGKILL
+        self.events: list[tuple[float, str, Key, int]] = []  # (when, what, key, pid)
         self.stuck = False  # dispatchers stopped stepping
         self.closed = False
         self.used: dict[int, dict[str, float]] = {}
@@ -207,15 +218,95 @@ class FakePlane:
         self.reclaims += 1
         return 0
 
-    def stop(self, key: Key, pid: int, *, oom_script: bool = True) -> None:
+    def target(self, key: Key, pid: int, *, oom_script: bool = True) -> FakeTarget | None:
         with self._lock:
             self.stops_begun += 1
         if self.stops_held is not None:
             self.stops_held.wait()
         with self._lock:
-            self.stopped.append((key, pid))
-            self.stopped_with_script.append(oom_script)
-            self.memory_by.get(key, {}).pop(pid, None)
+            if pid not in self.memory_by.get(key, {}):
+                return None
+            script = self.oom_scripts.get(key, "") if oom_script and key in self.egpu_keys \
+                else ""
+            self.record("pin", key, pid)
+            return FakeTarget(self, key, pid, script, oom_script)
+
+    def record(self, what: str, key: Key, pid: int) -> None:
+        self.events.append((now(), what, key, pid))
+
+    def times(self, what: str, pid: int) -> list[float]:
+        """When each `what` of `pid` happened."""
+        return [at for at, name, _key, p in self.events if name == what and p == pid]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def now() -> float:
+    """The trio clock (mock time in tests) where there is one, else the monotonic clock."""
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return time.monotonic()
+
+
+class FakeScript:
+    """An OOM script that ends `plane.script_seconds` after it started (never: None)."""
+
+    def __init__(self, target: FakeTarget) -> None:
+        self.target = target
+        self.started = now()
+        self.killed = False
+
+    def ended(self) -> bool:
+        seconds = self.target.plane.script_seconds
+        return not self.killed and seconds is not None and now() - self.started >= seconds
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def end(self) -> ScriptResult:
+        plane = self.target.plane
+        ended = self.ended()
+        self.killed = True
+        plane.record("script end", self.target.key, self.target.pid)
+        output = plane.script_output
+        return ScriptResult(plane.script_status if ended else None, output[-1024:],
+                            len(output), "")
+
+
+class FakeTarget:
+    """A process of a `FakePlane` pinned for a stop."""
+
+    def __init__(self, plane: FakePlane, key: Key, pid: int, oom_script: str,
+                 asked_script: bool) -> None:
+        self.plane = plane
+        self.key = key
+        self.pid = pid
+        self.oom_script = oom_script
+        self.asked_script = asked_script
+        self.killed = False
+        self.closed = False
+
+    def freeze(self) -> None:
+        self.plane.record("freeze", self.key, self.pid)
+
+    def kill(self) -> None:
+        plane = self.plane
+        plane.record("kill", self.key, self.pid)
+        self.killed = True
+        with plane._lock:
+            plane.stopped.append((self.key, self.pid))
+            plane.stopped_with_script.append(self.asked_script)
+            if self.pid not in plane.unkillable:
+                plane.memory_by.get(self.key, {}).pop(self.pid, None)
+
+    def gone(self) -> bool:
+        return self.killed and self.pid not in self.plane.unkillable
+
+    def start_script(self, timeout: float) -> FakeScript:
+        self.plane.record("script", self.key, self.pid)
+        return FakeScript(self)
 
     def close(self) -> None:
         self.closed = True
