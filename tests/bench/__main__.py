@@ -20,7 +20,8 @@ again under SIMGPU_SCHED=fifo:
 Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu), what
 libcgpu adds to launches and allocations (libcgpu), and the data plane's
 deadlines, which tests only assert happen: fail open, the in-flight queue, the
-drain after a close (deadlines).
+drain after a close (deadlines); and the daemon's stops, from its detection to
+the process gone, by route, 8 at once (stops: runc containers, as root).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.bench import deadlines, latency, libcgpu_bench
+from tests.bench import deadlines, latency, libcgpu_bench, stops
 from tests.bench.shares import (
     STEADY_AFTER,
     Report,
@@ -57,7 +58,7 @@ ENGINES: tuple[tuple[str, str | None], ...] = (
     ("default engine (SIMGPU_SCHED unset)", None),
     ("SIMGPU_SCHED=fifo", "fifo"),
 )
-PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu", "deadlines")
+PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu", "deadlines", "stops")
 # Targets: |error| of the 1:2 ratio, and what switching and caps must keep.
 WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET = 0.05, 0.02, 0.08
 # ... and of ctr1's share in any 1 s window, in points, where kernels are 1 ms or shorter.
@@ -371,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         libcgpu_bench.main(["--rounds", "3"] if args.quick else [])
     if "deadlines" in parts:
         deadlines.main(["--rounds", "1"] if args.quick else [])
+    if "stops" in parts:
+        stops.main([])
     print(f"bench took {time.monotonic() - started_at:.0f} s")
     return 0
 
