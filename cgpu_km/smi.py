@@ -78,6 +78,7 @@ class ContainerRow:
     gate_wait_seconds: float | None = None
     oom_events: int | None = None
     bypass_stops: int | None = None
+    overuse_stops: int | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ def _container_row(gpu: int, view: treefs.ContainerView, total: int | None,
     return dataclasses.replace(
         row, target_share=figures.target_share, utilization=figures.utilization,
         gpu_time_seconds=figures.gpu_time_seconds, gate_wait_seconds=figures.gate_wait_seconds,
-        oom_events=figures.oom_events, bypass_stops=figures.bypass_stops)
+        oom_events=figures.oom_events, bypass_stops=figures.bypass_stops,
+        overuse_stops=figures.overuse_stops)
 
 
 def build_view(tree: treefs.TreeView, root: str, snapshot: Snapshot | None,
@@ -260,13 +262,13 @@ def render_text(view: View) -> str:
     lines += ["", "Containers:"]
     lines += render_table(
         ["GPU", "Container", "ID", "Weight", "HiPrio", "Target", "Util", "Limit",
-         "Memory-Usage", "GPU-Time", "Gate-Wait", "OOM", "BYPASSED"],
+         "Memory-Usage", "GPU-Time", "Gate-Wait", "OOM", "BYPASSED", "OVERUSE"],
         [[str(c.gpu), c.name, str(c.id), str(c.weight), "yes" if c.highprio else "no",
           _percent(c.target_share, 1), _percent(c.utilization, 1),
           f"{c.util_limit}%" if c.util_limit else "-",
           _usage(c.memory_used_bytes, c.memory_limit_bytes),
           _seconds(c.gpu_time_seconds), _seconds(c.gate_wait_seconds), _text(c.oom_events),
-          _text(c.bypass_stops)]
+          _text(c.bypass_stops), _text(c.overuse_stops)]
          for c in containers],
         left=(1,))
     lines += ["", "Processes:"]

@@ -58,6 +58,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--report-bypass", action="append", default=[], metavar="CONTAINER",
                         help="only report, never stop, the bypassing processes of this "
                         "container (its name in the tree; repeatable)")
+    parser.add_argument("--compute-window", type=float, default=Settings.compute_window,
+                        help="seconds of NVML's per-process samples over which a container's "
+                        "GPU time is weighed against its grants (default %(default)s)")
+    parser.add_argument("--compute-tolerance", type=float,
+                        default=Settings.compute_tolerance,
+                        help="how many times the time it was granted a container's NVML "
+                        "samples may add up to before its processes are stopped as those "
+                        "that bypass libcgpu are (default %(default)s)")
+    parser.add_argument("--audit-every", type=float, default=Settings.audit_every,
+                        help="seconds a busy container goes at most without an audit: a "
+                        "quiet span in which NVML must see none of its processes run "
+                        "(default %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true")
     probe = parser.add_mutually_exclusive_group()
     probe.add_argument("--count-gpus", action="store_true",
@@ -102,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings(period=args.period, slice=args.slice,
                             tree_refresh=args.tree_refresh, full_refresh=args.full_refresh,
                             on_bypass=args.on_bypass,
+                            compute_window=args.compute_window,
+                            compute_tolerance=args.compute_tolerance,
+                            audit_every=args.audit_every,
                             report_bypass=frozenset(args.report_bypass))
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)

@@ -39,11 +39,21 @@ class Settings:
     # the metrics only); the containers named in `report_bypass` are only reported.
     on_bypass: str = "stop"
     report_bypass: frozenset[str] = frozenset()
+    # The compute check (policies 0-4): a container whose processes' NVML samples,
+    # over this many seconds, add up to more than `compute_tolerance` times the
+    # time it was granted (NVML may read a process up to about 1.4 times what it
+    # ran), or that ran while it held no grant, has the processes that did it
+    # stopped or reported as `on_bypass` says.
+    compute_window: float = 2.0
+    compute_interval: float = 0.25  # NVML's per-process samples are read this often
+    audit_every: float = 30.0  # a busy container is audited at least this often
+    compute_tolerance: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("period", "slice", "tree_refresh", "full_refresh", "memory_interval",
                      "reclaim_interval", "publish_interval", "save_interval", "stop_deadline",
-                     "call_deadline"):
+                     "call_deadline", "compute_window", "compute_tolerance",
+                     "compute_interval", "audit_every"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")

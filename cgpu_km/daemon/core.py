@@ -26,12 +26,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from cgpu_km.daemon import snapshot as snap
+from cgpu_km.daemon.compute import ComputeService
 from cgpu_km.daemon.context import Blocking, Limits, Settings, Worker
 from cgpu_km.daemon.edges import Plane, Tree
 from cgpu_km.daemon.lifecycle import Lifecycle
@@ -85,9 +87,13 @@ class Daemon:
         self.memory = MemoryService(
             tree, plane, limits_in, self.settings, worker=worker("memory"),
             feed_worker=worker("meminfo"), stops=self.stops)
+        self.compute = ComputeService(plane, self.settings, worker=worker("compute"),
+                                      stop=partial(self.stops.request, reason="compute",
+                                                   oom_script=False))
         self.publisher = Publisher(plane, self.sync, self.memory, self.state_file,
                                    self.settings, worker("publish"), gpu_info=gpu_info or {},
-                                   publish=publish)
+                                   publish=publish,
+                                   overuse=self.compute.verdicts)
         self._reclaim_worker = worker("reclaim")
 
     def _save_state(self) -> None:
@@ -103,6 +109,7 @@ class Daemon:
                                      self._reclaim_worker)
                 await services.start(self.stops.serve)
                 await services.start(self.memory.serve)
+                await services.start(self.compute.serve)
                 await services.start(self.publisher.serve)
                 interval = watchdog_interval()
                 if interval is not None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from cgpu_km.dataplane.attribution import MemoryView
 from cgpu_km.dataplane.dispatch import Figures
 from cgpu_km.dataplane.stopping import ScriptResult
+from cgpu_km.dataplane.usage import UsageView
 from cgpu_km.sched import GpuConfig
 from cgpu_km.tree.views import Change, ContainerNodes, GpuNodes, Key, QuickView
 
@@ -135,6 +136,14 @@ class Plane(Protocol):
 
     def memory(self) -> MemoryView:
         """Per-container GPU memory from NVML, attributed by the kernel (blocking)."""
+
+    def audit(self, key: Key, length: float) -> None:
+        """Ask the container's dispatcher for an audit: a quiet span of `length`
+        seconds (returns at once)."""
+
+    def usage(self) -> UsageView:
+        """NVML's per-process GPU time since the last call, put in containers, with
+        each scheduled GPU's grants (blocking)."""
 
     def reclaim(self) -> int:
         """Free the process slots whose process the kernel says is gone (blocking)."""

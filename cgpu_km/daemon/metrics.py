@@ -131,6 +131,15 @@ CONTAINER_METRICS = (
                "Processes of the container stopped for holding GPU memory without libcgpu "
                "(policies 0-4, unless the daemon only reports them).",
                lambda c: c.bypass_stops),
+    MetricSpec("cgpu_container_overuse_stops_total", "counter", CONTAINER_LABELS,
+               "Processes of the container stopped for GPU time beyond its grants, as NVML's "
+               "per-process samples show it (policies 0-4, unless the daemon only reports "
+               "them).",
+               lambda c: c.overuse_stops),
+    MetricSpec("cgpu_container_audits_total", "counter", CONTAINER_LABELS,
+               "Quiet spans the scheduler gave the busy container, in which the driver must "
+               "see none of its processes run.",
+               lambda c: c.audits),
 )
 
 METRICS = DAEMON_METRICS + GPU_METRICS + CONTAINER_METRICS

@@ -86,8 +86,11 @@ class Publisher:
     def __init__(self, plane: Plane, sync: TreeSync, memory: MemoryService,
                  state_file: StateFile, settings: Settings, worker: Worker, *,
                  gpu_info: Mapping[int, GpuInfo],
-                 publish: Callable[[snap.Snapshot], None] | None) -> None:
+                 publish: Callable[[snap.Snapshot], None] | None,
+                 overuse: Mapping[Key, int] | None = None) -> None:
+        """`overuse`: the compute check's processes judged, by container (live)."""
         self.plane = plane
+        self.overuse = overuse if overuse is not None else {}
         self.sync = sync
         self.memory = memory
         self.state_file = state_file
@@ -186,6 +189,8 @@ class Publisher:
                     processes=tuple(snap.ProcessFigures(pid, size, pid not in unmanaged)
                                     for pid, size in sorted(procs.items())),
                     bypass_stops=self.memory.bypass_stopped.get(key, 0),
+                    overuse_stops=self.overuse.get(key, 0),
+                    audits=figures[index].audits.get(name, 0) if index in figures else 0,
                 ))
         return snap.Snapshot(
             version=self.sync.version, pid=os.getpid(), period_seconds=self.settings.period,

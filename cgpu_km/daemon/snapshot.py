@@ -72,6 +72,9 @@ class ContainerFigures:
     oom_events: int  # counter: allocations refused or processes stopped for memory
     processes: tuple[ProcessFigures, ...] = ()
     bypass_stops: int = 0  # counter: processes stopped for holding GPU memory without libcgpu
+    # counter: processes stopped (or reported) for GPU time beyond the container's grants
+    overuse_stops: int = 0
+    audits: int = 0  # counter: quiet spans the scheduler imposed so the driver could tell
 
 
 @dataclass(frozen=True)

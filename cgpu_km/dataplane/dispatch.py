@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
@@ -44,6 +44,7 @@ from cgpu_km.sched import (
     SliceDecision,
     SliceScheduler,
 )
+from cgpu_km.sched.grants import EVERYONE, GrantHistory, GrantLog
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -107,6 +108,7 @@ class Figures:
     holder: str | None
     steps: int
     last_step: float  # time.monotonic() of the last step
+    audits: Mapping[str, int] = field(default_factory=dict)  # quiet spans imposed, by container
 
 
 def queue_budget(decision: SliceDecision, observed: Mapping[str, Observation],
@@ -136,6 +138,9 @@ class Dispatcher:
         self._steps = 0
         self._last_step = time.monotonic()
         self._configured = False  # since the last step
+        self._grants = GrantLog(clock() / 1e9)  # who may run when, for the compute check
+        self._audits: dict[str, int] = {}
+        self._audit_wanted: dict[str, float] = {}  # name -> the quiet span asked for
         self.error: BaseException | None = None
 
     @property
@@ -164,7 +169,14 @@ class Dispatcher:
             return Figures(used=self._scheduler.used(),
                            shares=dict(decision.shares) if decision else {},
                            holder=decision.holder if decision else None,
-                           steps=self._steps, last_step=self._last_step)
+                           steps=self._steps, last_step=self._last_step,
+                           audits=dict(self._audits))
+
+    def grants(self) -> GrantHistory:
+        """Who might have run on the GPU when, as far as the dispatcher knows."""
+        now = self.clock() / 1e9
+        with self._lock:
+            return self._grants.history(now)
 
     def stop(self) -> None:
         self._stop.set()
@@ -176,6 +188,7 @@ class Dispatcher:
         now = self.clock()
         with self._lock:
             before = self._decision
+            self._audit(now / 1e9, observed)
             decision = self._scheduler.step(now / 1e9, observed)
             self._decision = decision
             self._steps += 1
@@ -183,6 +196,10 @@ class Dispatcher:
             self._configured = False
             late = self._scheduler.late
             native = self._scheduler.config.policy is Policy.NATIVE
+            holder = frozenset((decision.holder,)) if decision.holder is not None else frozenset()
+            self._grants.record(now / 1e9, EVERYONE if native else
+                                decision.open | decision.armed | late | holder,
+                                driven=observed.keys())
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed)
@@ -192,6 +209,30 @@ class Dispatcher:
                       ",".join(sorted(n for n, o in observed.items() if o.waiting)) or "-",
                       " ".join(f"{n}={o.drained_at:.4f}" for n, o in sorted(observed.items())))
         return decision
+
+    def audit(self, name: str, length: float) -> None:
+        """Ask for an audit of `name` (`cgpu_km.sched.overuse`): a quiet span of
+        `length` seconds, as soon as it waits while another holds the GPU."""
+        with self._lock:
+            self._audit_wanted[name] = length
+
+    def _audit(self, now: float, observed: Mapping[str, Observation]) -> None:
+        """Bar one container that an audit was asked for, if it waits while another
+        holds the GPU and nobody is barred (under the lock)."""
+        scheduler = self._scheduler
+        wanted = self._audit_wanted
+        if not wanted or scheduler.barred or scheduler.config.policy is Policy.NATIVE:
+            return
+        holder = scheduler.holder
+        for name in sorted(wanted):
+            if name not in scheduler.config.containers:
+                del wanted[name]
+            elif (holder is not None and name != holder and name not in scheduler.late
+                    and observed.get(name, NOTHING).waiting):
+                scheduler.bar(name, now + wanted.pop(name))
+                self._audits[name] = self._audits.get(name, 0) + 1
+                log.debug("GPU %d at %.4f: audit of %s", self.gpu, now, name)
+                return
 
     def run(self) -> None:
         """Until `stop`: step, beat, sleep; on the way out every gate opens."""
@@ -214,6 +255,8 @@ class Dispatcher:
                 if now >= next_beat - BEAT_SLACK_NS:
                     self.port.heartbeat(now)
                     next_beat = now + HEARTBEAT_NS
+                    with self._lock:
+                        self._grants.alive(now / 1e9)
                 with self._lock:
                     late, draining = self._scheduler.late, self._scheduler.draining
                 # Rings that are answers: those of the holder while it drains (until
@@ -268,8 +311,15 @@ class RegionPort:
         """The containers on this GPU: name -> (its region, its container GPU)."""
         doorbells = {name: region.doorbell_address(k) for name, (region, k) in entries.items()}
         with self._lock:
+            new = [region for name, (region, _k) in entries.items()
+                   if self._entries.get(name, (None,))[0] is not region]
             self._entries = dict(entries)
             self._doorbells = doorbells
+        # A new region's gates fail open until its first heartbeat: stamp it now, so
+        # that the step the kick makes drives its gate at once.
+        now = time.monotonic_ns()
+        for region in new:
+            region.heartbeat(now)
         self.kick()
 
     def entries(self) -> dict[str, tuple[Region, int]]:

@@ -30,6 +30,7 @@ from cgpu_km.dataplane import attribution, kernelview, stopping
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.dataplane.dispatch import Dispatcher, Figures, RegionPort
 from cgpu_km.dataplane.registry import Registry
+from cgpu_km.dataplane.usage import UsageReader, UsageView
 from cgpu_km.sched import QUANTUM, GpuConfig
 from cgpu_km.tree.views import Key
 
@@ -45,6 +46,9 @@ class RegionPlane:
         self.nvml = nvml
         self.quantum = quantum
         self.attribution = attribution.Attribution(proc)
+        # The compute check reads in a worker of its own: an Attribution of its own.
+        self._usage = UsageReader(self.registry, nvml, attribution.Attribution(proc)) \
+            if nvml is not None else None
         self._ports: dict[int, RegionPort] = {}
         self._dispatchers: dict[int, Dispatcher] = {}
         self._threads: dict[int, threading.Thread] = {}
@@ -137,6 +141,21 @@ class RegionPlane:
             for entry in self.registry.all():
                 entry.region.publish_seen(view.seen.get(entry.name, ()))
         return view
+
+    def audit(self, key: Key, length: float) -> None:
+        with self._lock:
+            dispatcher = self._dispatchers.get(key[0])
+        if dispatcher is not None:
+            dispatcher.audit(key[1], length)
+
+    def usage(self) -> UsageView:
+        """NVML's per-process samples since the last call, put in containers, with
+        each dispatcher's grants (read after the samples, so that they cover them)."""
+        if self._usage is None:
+            return UsageView(time.monotonic(), {})
+        with self._lock:
+            dispatchers = dict(self._dispatchers)
+        return self._usage.read(lambda: {gpu: d.grants() for gpu, d in dispatchers.items()})
 
     def reclaim(self) -> int:
         """Slots of processes the kernel does not run (in the container the slot

@@ -8,16 +8,20 @@ beside the holder. The dispatcher records the set at every step that changes
 it (`GrantLog.record`), and marks itself alive at every step and heartbeat
 (`GrantLog.alive`): a gap longer than `BLIND_AFTER` is a span in which the
 gates may have failed open, so nothing is known of it. Under policy 5 every
-container may run (`EVERYONE`). No I/O and no clock here: times are seconds
-of the caller's monotonic clock.
+container may run (`EVERYONE`).
+
+`GrantHistory.quiet` finds the spans in which a container surely could not
+run: a process of it that NVML saw running then ran what nobody granted. No
+I/O and no clock here: times are seconds of the caller's monotonic clock.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Iterable
-from dataclasses import dataclass
+import itertools
+from collections.abc import Iterable, Mapping, Set
+from dataclasses import dataclass, field
 
 __all__ = ["BLIND_AFTER", "EVERYONE", "GrantHistory", "GrantLog"]
 
@@ -25,6 +29,13 @@ EVERYONE = None  # a mark under which every container may run (policy 5, a gate 
 # The dispatcher steps or stamps the heartbeat at least every 0.75 s; gates fail
 # open when it is 2 s old. A gap of more than this is a span nothing is known of.
 BLIND_AFTER = 1.0
+# What ran ungated may run on for a while once the gates close: work queued under
+# policy 5, or by a container's processes before the dispatcher drove its gate
+# (a new region's gates fail open until its first heartbeat, which the
+# dispatcher stamps as it takes the region on). So a container is known only
+# from this long after the dispatcher first drove it, and everyone only this
+# long after policy 5 ends: the drain limit, which bounds any drain.
+SETTLE = 0.5
 
 Mark = tuple[float, frozenset[str] | None]
 
@@ -38,14 +49,16 @@ class GrantHistory:
     start: float
     marks: tuple[Mark, ...]
     blind: tuple[tuple[float, float], ...] = ()
+    driven: Mapping[str, float] = field(default_factory=dict)  # since when, by name
 
     def allowed(self, name: str, begin: float, end: float) -> float | None:
         """Seconds of [begin, end] in which `name` might run; None when that span
-        is not wholly known (before the log began, a blind span, or a mark
-        under which everyone may run)."""
+        is not wholly known (before the log began or the container was driven
+        for SETTLE, a blind span, a mark under which everyone may run)."""
         if end <= begin:
             return 0.0
-        if begin < self.start:
+        driven = self.driven.get(name)
+        if begin < self.start or driven is None or begin < driven + SETTLE:
             return None
         if any(a < end and begin < b for a, b in self.blind):
             return None
@@ -67,6 +80,31 @@ class GrantHistory:
         return total
 
 
+    def known_from(self, name: str) -> float | None:
+        """From when `allowed` may know `name`: the log's start, or SETTLE after the
+        dispatcher first drove it (None: it does not)."""
+        driven = self.driven.get(name)
+        return None if driven is None else max(self.start, driven + SETTLE)
+
+    def quiet(self, name: str, begin: float, end: float) -> list[tuple[float, float]]:
+        """The spans within [begin, end] in which `name` surely could not run
+        (known spans only: a blind span or EVERYONE ends a quiet one)."""
+        spans: list[tuple[float, float]] = []
+        start: float | None = None
+        edges = sorted({begin, end, *(t for t, _ in self.marks if begin < t < end),
+                        *(t for span in self.blind for t in span if begin < t < end)})
+        for left, right in itertools.pairwise(edges):
+            if self.allowed(name, left, right) == 0.0:
+                start = left if start is None else start
+                continue
+            if start is not None:
+                spans.append((start, left))
+                start = None
+        if start is not None:
+            spans.append((start, edges[-1]))
+        return spans
+
+
 class GrantLog:
     """The dispatcher's record of who may run, kept for `horizon` seconds."""
 
@@ -76,13 +114,20 @@ class GrantLog:
         self._marks: collections.deque[Mark] = collections.deque([(start, frozenset())])
         self._blind: collections.deque[tuple[float, float]] = collections.deque()
         self._alive_at = start
+        self._driven: dict[str, float] = {}
 
-    def record(self, now: float, may_run: Iterable[str] | None) -> None:
-        """From `now` on, these may run (EVERYONE: all of them)."""
+    def record(self, now: float, may_run: Iterable[str] | None,
+               driven: Set[str] | None = None) -> None:
+        """From `now` on, these may run (EVERYONE: all of them); `driven`: the
+        containers whose gates the dispatcher drives now (None: as before)."""
         who = None if may_run is EVERYONE else frozenset(may_run)
         self.alive(now)
+        if driven is not None and driven != self._driven.keys():
+            self._driven = {name: self._driven.get(name, now) for name in driven}
         if self._marks[-1][1] == who:
             return
+        if self._marks[-1][1] is EVERYONE:
+            self._blind.append((now, now + SETTLE))
         if self._marks[-1][0] >= now:  # two steps at one instant: the later one counts
             self._marks.pop()
         self._marks.append((now, who))
@@ -108,4 +153,5 @@ class GrantLog:
         blind = tuple(self._blind)
         if now - self._alive_at > BLIND_AFTER:
             blind += ((self._alive_at, float("inf")),)
-        return GrantHistory(start=self.start, marks=tuple(self._marks), blind=blind)
+        return GrantHistory(start=self.start, marks=tuple(self._marks), blind=blind,
+                            driven=dict(self._driven))

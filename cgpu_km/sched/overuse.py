@@ -6,32 +6,52 @@ step around it (a second copy of the driver, the driver's entry points read
 from its symbol table). NVML samples each process's use of the GPU
 (`nvmlDeviceGetProcessUtilization`: per sample period, the percent of the
 period in which a kernel of that process ran), coarsely: a period is about
-1/6 s, many turns long, and a process's figure may read up to about 1.4 times
-what it ran (`simgpu` imitates both). So a container's use is weighed over a
-window of several periods, all its processes together, against the seconds
-in which it might have run (`cgpu_km.sched.grants`):
+1/6 s, many turns long, and a process's figure may read from about 0.7 to 1.4
+times what it ran (`simgpu` imitates both). So:
 
-- over its grants: in the last `window` seconds its processes' samples add
-  up to more than `tolerance` times the seconds it might have run, plus
-  `slack` of the window. A cap (`util_limit`) is a bound on its grants, so
-  the same rule holds it to its cap;
-- outside its grants: samples of periods in which it might not have run at
-  all (within a margin of a quarter period each side) add up to more than
-  `outside_min` seconds. No factor makes use out of nothing, so this rule
-  needs no tolerance.
+- over its grants: a container's samples in the last `window` seconds, all
+  its processes together, add up to more than `tolerance` times the seconds
+  in which it might have run, plus `slack` of the window. A cap
+  (`util_limit`) bounds its grants, so this holds it to its cap too;
+- past its grants: a sample of one process reads more than `tolerance` times
+  what its container might have run in that sample's period (widened by the
+  uncertainty of where the period lay), by more than `excess_min` seconds
+  over the window. In a period in which the container might not run at all,
+  no factor makes use out of nothing.
 
-The processes to stop are those whose use the gate did not hand out: first
-those that launched nothing through the gate in the window (or whose
-library found the driver's entry points taken), then the largest users,
-until their use covers the excess. A process once judged is left out of
-later windows.
+The first rule cannot see a process that reads low and steals less than
+half again of a busy container's grants: nearly every period of a busy
+container holds a grant. So the check asks for audits (`audits_wanted`): a
+quiet span of `audit_length` (2.5 periods: one whole period with its
+margins falls in it, wherever the periods lie) in which the container is
+granted nothing while another holds the GPU, so that the second rule sees
+every process of it with nothing to hide behind. An audit costs the
+container a short wait (it takes the time back after), so it is asked for
+only on a sign: a process that ran on the GPU but launched nothing through
+the gate (or whose library found the driver's entry points taken), a
+container over its grants whose every process launched through the gate,
+a busy container whose samples rose by more than `rise` against its grants
+over the least they were since its last audit, and a busy container that
+has had none for `audit_every` seconds (a process that forges its launch
+counter and steals little is found no sooner). A span in which a container
+rested counts as an audit too.
+
+The processes to stop are those whose use the gate did not hand out: with
+the second rule, those whose samples exceeded; with the first, those that
+launched nothing through the gate in the window (or whose library found the
+driver's entry points taken), the largest first, until their use covers the
+excess. When every process of a container over its grants launched through
+the gate, none is judged: an audit is asked for, and the second rule names
+the one that ran in it. A process once judged is left out of later windows.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Set
+import math
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
+from functools import partial
 
 from cgpu_km.sched.grants import GrantHistory
 
@@ -63,12 +83,16 @@ class Verdict:
     used: float  # GPU seconds its processes' samples add up to in the window
     allowed: float  # seconds in which it might have run
     window: float
-    outside: float = 0.0  # of `used`, in periods in which it might not run at all
+    past: float = 0.0  # seconds sampled past what the periods' grants allow
+    ungranted: bool = False  # some of it in periods with no grant at all
 
     def describe(self) -> str:
-        if self.outside:
-            return (f"used {self.outside:.2f} s of GPU time in the last {self.window:.1f} s "
+        if self.ungranted:
+            return (f"used {self.past:.2f} s of GPU time in the last {self.window:.1f} s "
                     f"while it held no grant (NVML per-process utilization)")
+        if self.past:
+            return (f"used {self.past:.2f} s of GPU time in the last {self.window:.1f} s "
+                    f"past its grants (NVML per-process utilization)")
         return (f"used {self.used:.2f} s of GPU time in the last {self.window:.1f} s "
                 f"while granted {self.allowed:.2f} s (NVML per-process utilization)")
 
@@ -81,17 +105,34 @@ class _Gpu:
         maxlen=64))
 
 
+@dataclass
+class _Audited:
+    """A container's audits: when it last passed one, who ran then, how its
+    samples stood against its grants before it."""
+
+    passed_at: float
+    first: float  # when it was first seen to run
+    pids: set[int] = field(default_factory=set)
+    floor: float | None = None  # the least its samples were of its grants since
+    asked_at: float = -math.inf
+
+
 class Judge:
-    """Samples in, verdicts out; one per daemon, for every GPU."""
+    """Samples in, verdicts and audits wanted out; one per daemon, for every GPU."""
 
     def __init__(self, *, window: float = 2.0, tolerance: float = 1.5, slack: float = 0.05,
-                 outside_min: float = 0.05) -> None:
+                 excess_min: float = 0.02, rise: float = 1.25, audit_every: float = 30.0
+                 ) -> None:
         self.window = window
         self.tolerance = tolerance
         self.slack = slack
-        self.outside_min = outside_min
+        self.excess_min = excess_min
+        self.rise = rise
+        self.audit_every = audit_every
         self._gpus: dict[int, _Gpu] = {}
         self._judged: set[tuple[Key, int]] = set()
+        self._audited: dict[Key, _Audited] = {}
+        self._wanted: dict[int, dict[Key, str]] = {}  # gpu -> container -> why
 
     def periods(self, gpu: int) -> tuple[float, float]:
         """Bounds on NVML's sample period on `gpu`. Below: the shortest period NVML
@@ -105,6 +146,11 @@ class Judge:
         upper = min(max(upper, MIN_PERIOD), MAX_PERIOD)
         return min(DEFAULT_PERIOD, upper), upper
 
+    def audit_length(self, gpu: int) -> float:
+        """A quiet span that holds one whole sample period with its margins,
+        wherever the periods fall."""
+        return 2.5 * self.periods(gpu)[1]
+
     def add(self, gpu: int, samples: list[Sample]) -> None:
         """New samples of `gpu` (each read once: NVML's lastSeenTimeStamp)."""
         state = self._gpus.setdefault(gpu, _Gpu())
@@ -115,73 +161,166 @@ class Judge:
             state.last_end[sample.pid] = sample.end
             state.samples.append(sample)
 
+    def audits_wanted(self, gpu: int) -> Mapping[Key, str]:
+        """The containers of `gpu` the last `judge` wants audited, and why."""
+        return dict(self._wanted.get(gpu, {}))
+
     def judge(self, gpu: int, now: float, grants: GrantHistory,
               launched_at: Mapping[tuple[Key, int], float | None],
               hijacked: Set[tuple[Key, int]] = frozenset()) -> list[Verdict]:
-        """The containers of `gpu` over their grants in the window that ends a
-        period before `now` (samples come up to a period late). `launched_at`:
-        when each process's slot last counted a launch through the gate (None:
-        never; a process with no slot is the bypass check's); `hijacked`: those
-        whose libcgpu reported the driver's entry points taken."""
+        """The containers of `gpu` over their grants in the window that ends at
+        `now` (shorter for a container known for less: `GrantHistory.known_from`).
+        `launched_at`: when each process's slot last counted a launch through
+        the gate (None: never; a process with no slot is the bypass check's);
+        `hijacked`: those whose libcgpu reported the driver's entry points
+        taken."""
         state = self._gpus.get(gpu)
+        self._wanted[gpu] = {}
         if state is None:
             return []
         period, longest = self.periods(gpu)
-        end = now - longest
+        # Samples are judged as they come; a window still missing some of its
+        # samples only reads less. A quiet span counts for an audit once every
+        # sample of a period within it has come (a period after its end).
+        end = now
         begin = end - self.window
-        while state.samples and state.samples[0].end <= begin - self.window:
+        starts: dict[Key, float] = {}  # each container's window
+        keep = end - self.window - max(self.window, self.audit_length(gpu))
+        while state.samples and state.samples[0].end <= keep:
             state.samples.popleft()
-        state.last_end = {pid: t for pid, t in state.last_end.items() if t > begin - self.window}
-        used: dict[Key, dict[int, float]] = {}
-        outside: dict[Key, dict[int, float]] = {}
+        state.last_end = {pid: t for pid, t in state.last_end.items() if t > keep}
         margin = longest / 4
+        used: dict[Key, dict[int, float]] = {}
+        past: dict[Key, dict[int, float]] = {}
+        ungranted: set[Key] = set()
         for sample in state.samples:
-            if not begin < sample.end <= end or (sample.key, sample.pid) in self._judged:
+            key = sample.key
+            if key not in starts:
+                known = grants.known_from(key[1])
+                starts[key] = end if known is None else max(begin, known + longest)
+            if not starts[key] < sample.end <= end or (key, sample.pid) in self._judged:
                 continue
             seconds = sample.percent / 100 * period
             mine = used.setdefault(sample.key, {})
             mine[sample.pid] = mine.get(sample.pid, 0.0) + seconds
             near = grants.allowed(sample.key[1], sample.end - longest - margin,
                                   sample.end + margin)
+            if near is None or seconds <= self.tolerance * near:
+                continue
+            over = past.setdefault(sample.key, {})
+            over[sample.pid] = over.get(sample.pid, 0.0) + seconds - self.tolerance * near
             if near == 0.0:
-                out = outside.setdefault(sample.key, {})
-                out[sample.pid] = out.get(sample.pid, 0.0) + seconds
+                ungranted.add(sample.key)
         verdicts = []
+        over_grants: dict[Key, bool] = {}  # over, but no process to blame
         for key, by_pid in sorted(used.items()):
-            allowed = grants.allowed(key[1], begin - longest, end)
+            allowed = grants.allowed(key[1], starts[key] - longest, end)
             if allowed is None:
                 continue  # the gates may have failed open, or nothing is known yet
             total = sum(by_pid.values())
-            out = outside.get(key, {})
-            if sum(out.values()) > self.outside_min:
-                verdict = Verdict(key, tuple(sorted(out)), total, allowed, self.window,
-                                  outside=sum(out.values()))
+            over = past.get(key, {})
+            excess = total - self.tolerance * allowed - self.slack * (end - starts[key])
+            if sum(over.values()) > self.excess_min:
+                verdict = Verdict(key, tuple(sorted(over)), total, allowed, end - starts[key],
+                                  past=sum(over.values()), ungranted=key in ungranted)
+            elif excess > 0 and (pids := self._culprits(key, by_pid, excess, begin,
+                                                          launched_at, hijacked)):
+                verdict = Verdict(key, pids, total, allowed, end - starts[key])
             else:
-                excess = total - self.tolerance * allowed - self.slack * self.window
-                if excess <= 0:
-                    continue
-                pids = self._culprits(key, by_pid, excess, begin, launched_at, hijacked)
-                verdict = Verdict(key, pids, total, allowed, self.window)
+                over_grants[key] = excess > 0
+                continue
             self._judged.update((key, pid) for pid in verdict.pids)
             verdicts.append(verdict)
-        self._judged = {(key, pid) for key, pid in self._judged
-                        if (key, pid) in launched_at or any(
-                            s.key == key and s.pid == pid for s in state.samples)}
+        judged = {v.key for v in verdicts}
+        for key in sorted({s.key for s in state.samples if s.end > begin} - judged):
+            self._audit(gpu, key, grants, state, begin, now,
+                        partial(self._suspect, key, begin, launched_at, hijacked),
+                        over_grants.get(key, False))
+        live = {(s.key, s.pid) for s in state.samples}
+        self._judged = {judged for judged in self._judged
+                        if judged in launched_at or judged in live}
+        seen = {key for key, _pid in live}
+        self._audited = {key: a for key, a in self._audited.items()
+                         if key[0] != gpu or key in seen}
         return verdicts
 
+    def _audit(self, gpu: int, key: Key, grants: GrantHistory, state: _Gpu, begin: float,
+               now: float, suspect: Callable[[int], bool], over: bool) -> None:
+        """Note an audit `key` passed (a quiet span long enough, covered by samples
+        that came, and nothing judged), and whether it wants another (`over`:
+        over its grants, but every process of it launched through the gate)."""
+        audited = self._audited.get(key)
+        if audited is None:
+            audited = self._audited[key] = _Audited(passed_at=now, first=now)
+        if not state.spacings:
+            return  # no period known yet: an audit would have to be a second long
+        length = self.audit_length(gpu)
+        since = max(audited.passed_at, begin - length)
+        arrived = now - self.periods(gpu)[1]
+        for start, stop in reversed(grants.quiet(key[1], since, arrived)):
+            if stop - start >= length:
+                audited.passed_at = stop
+                audited.pids = {s.pid for s in state.samples if s.key == key and s.end <= stop}
+                audited.floor = None
+                break
+        ratio = self._ratio(key, grants, state, arrived, audited)
+        busy = ratio is not None
+        ran = {s.pid for s in state.samples if s.key == key and s.end > begin}
+        unseen = {pid for pid in ran - audited.pids if suspect(pid)}
+        why = None
+        if over:
+            why = "over its grants, every process of it launching through the gate"
+        elif unseen:
+            why = f"pid {min(unseen)} ran on the GPU but launched nothing through the gate"
+        elif ratio is not None and audited.floor is not None and (
+                ratio > self.rise * audited.floor + 0.1):
+            why = f"its samples rose from {audited.floor:.2f} to {ratio:.2f} of its grants"
+        elif busy and now - audited.passed_at > self.audit_every:
+            why = f"none for {self.audit_every:g} s"
+        if ratio is not None:
+            audited.floor = ratio if audited.floor is None else min(audited.floor, ratio)
+        # An audit asked for is under way, or not yet seen whole by the samples.
+        waiting_for = length + 2 * self.periods(gpu)[1] + 0.5
+        if why is not None and now - audited.asked_at > waiting_for:
+            audited.asked_at = now
+            self._wanted[gpu][key] = why
+
+    def _ratio(self, key: Key, grants: GrantHistory, state: _Gpu, arrived: float,
+               audited: _Audited) -> float | None:
+        """A busy container's samples against its grants over the window that ends
+        where every sample has come; None unless it ran the whole window and was
+        granted a fifth of it."""
+        begin = arrived - self.window
+        if audited.first > begin:
+            return None
+        longest = self.periods(key[0])[1]
+        allowed = grants.allowed(key[1], begin - longest, arrived)
+        if allowed is None or allowed < 0.2 * self.window:
+            return None
+        period = self.periods(key[0])[0]
+        used = sum(s.percent / 100 * period for s in state.samples
+                   if s.key == key and begin < s.end <= arrived)
+        return used / allowed
+
     @staticmethod
-    def _culprits(key: Key, by_pid: Mapping[int, float], excess: float, begin: float,
+    def _suspect(key: Key, begin: float, launched_at: Mapping[tuple[Key, int], float | None],
+                 hijacked: Set[tuple[Key, int]], pid: int) -> bool:
+        """Whether the gate did not hand out what `pid` ran: it launched nothing
+        through the gate since `begin`, or its library found the driver's entry
+        points taken."""
+        at = launched_at.get((key, pid))
+        return (key, pid) in hijacked or at is None or at < begin
+
+    def _culprits(self, key: Key, by_pid: Mapping[int, float], excess: float, begin: float,
                   launched_at: Mapping[tuple[Key, int], float | None],
                   hijacked: Set[tuple[Key, int]]) -> tuple[int, ...]:
-        """The processes whose use the gate did not hand out, first, then the
-        largest, until their use covers `excess`."""
-        def suspect(pid: int) -> bool:
-            at = launched_at.get((key, pid))
-            return (key, pid) in hijacked or at is None or at < begin
-
+        """The suspects (`_suspect`), the largest first, until their use covers
+        `excess`; never a process that launched through the gate (an audit
+        tells those apart)."""
+        suspect = partial(self._suspect, key, begin, launched_at, hijacked)
         chosen: list[int] = []
         covered = 0.0
-        for pid in sorted(by_pid, key=lambda p: (not suspect(p), -by_pid[p], p)):
+        for pid in sorted(filter(suspect, by_pid), key=lambda p: (-by_pid[p], p)):
             if covered >= excess:
                 break
             chosen.append(pid)

@@ -342,6 +342,7 @@ class SliceScheduler:
         self._state: State = IDLE
         self._late: dict[str, Late] = {}
         self._armed: frozenset[str] = frozenset()
+        self._barred: dict[str, float] = {}  # audited: granted nothing until then
         self._set_allot()
 
     @property
@@ -375,6 +376,18 @@ class SliceScheduler:
                 assert self._now is not None  # a turn began at a step
                 self._end_sharing(self._now)
         self._set_allot()
+
+    def bar(self, name: str, until: float) -> None:
+        """An audit: `name` is granted nothing, armed for nothing and takes the GPU
+        from nobody until `until`, as if it did not wait; it keeps accruing share
+        credit as a waiting container does, and takes its turns back after."""
+        if name in self._accounts:
+            self._barred[name] = until
+
+    @property
+    def barred(self) -> frozenset[str]:
+        """Containers under an audit now."""
+        return frozenset(self._barred)
 
     def credits(self) -> dict[str, float]:
         """Share credit per container in seconds (negative: owes GPU time)."""
@@ -458,6 +471,17 @@ class SliceScheduler:
             return self._native(now, dt)
         return self._exclusive(now, observed)
 
+    def _audited(self, waiting: set[str]) -> set[str]:
+        """Those that wait, less the barred, unless that would leave the GPU to
+        nobody: an audit is never paid for with idle time (it ends)."""
+        state = self._state
+        others = waiting - self._barred.keys()
+        if (isinstance(state, Holding) and state.holder not in self._barred) or any(
+                self._eligible(n) for n in others):
+            return others
+        self._barred = {}
+        return waiting
+
     def _launched_through_armed(self, observed: Mapping[str, Observation],
                                 ) -> Mapping[str, Observation]:
         """`observed`, where a container that launched through its armed gate
@@ -508,7 +532,11 @@ class SliceScheduler:
         acc = self._accounts[name]
         if slack is None:
             slack = self.quantum * ELIGIBLE_SLACK_QUANTA
-        return (self._rates[name][0] > 0 and acc.credit >= -slack
+        # While a container is audited, the others may run on its time (it takes the
+        # time back after, from the share credit it accrued): share credit does not
+        # hold them back, caps do.
+        lent = bool(self._barred) and name not in self._barred
+        return (self._rates[name][0] > 0 and (acc.credit >= -slack or lent)
                 and acc.cap_credit >= -1e-9)
 
     def _waking(self, turn: Turn, now: float, waiting: Set[str]) -> set[str]:
@@ -550,8 +578,12 @@ class SliceScheduler:
     def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
         # A container cut before it answered still has work of its own on the GPU:
         # it waits for nothing until it answers.
+        self._barred = {n: until for n, until in self._barred.items()
+                        if until > now and n in self._accounts}
         waiting = {n for n in self._accounts
                    if observed.get(n, NOTHING).waiting and n not in self._late}
+        if self._barred:
+            waiting = self._audited(waiting)
         state = self._state
         if isinstance(state, Holding | Draining):
             waking = self._waking(state, now, waiting)
@@ -781,7 +813,7 @@ class SliceScheduler:
         if only to see whether the holder went idle (`IdleWatch`; `lone`: nobody
         else waits for the GPU, so the watch may be patient)."""
         deadlines = (late.deadline for late in self._late.values() if late.deadline is not None)
-        wake_at = min((wake_at, *deadlines))  # when a handover's drain is cut
+        wake_at = min((wake_at, *deadlines, *self._barred.values()))  # a cut, an audit's end
         armed, rested_at = self._arm(open_)
         self._armed = armed
         wake_at = min(wake_at, rested_at)
@@ -809,7 +841,7 @@ class SliceScheduler:
         for name, acc in self._accounts.items():
             spec = self._config.containers[name]
             if (name in open_ or name == holder or name in self._late
-                    or acc.last_waiting == self._now
+                    or name in self._barred or acc.last_waiting == self._now
                     or spec.weight <= 0
                     or (prio and not spec.highprio)
                     or acc.credit < -slack or acc.cap_credit < -1e-9):

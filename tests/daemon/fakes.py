@@ -24,6 +24,7 @@ import trio
 from cgpu_km.dataplane.attribution import ContainerMemory, MemoryView
 from cgpu_km.dataplane.dispatch import Figures
 from cgpu_km.dataplane.stopping import ScriptResult
+from cgpu_km.dataplane.usage import UsageView
 from cgpu_km.sched import GpuConfig
 from cgpu_km.tree.client import ContainerView, GpuView
 from cgpu_km.tree.views import Change, ContainerNodes, GpuNodes, Key, QuickView
@@ -167,6 +168,7 @@ class FakePlane:
         self.attaches = 0
         self.missing_looks = 0
         self.reclaims = 0
+        self.audits: list[tuple[Key, float]] = []
         self._lock = threading.Lock()
 
     def attach(self, containers: Mapping[int, Set[str]]) -> bool:
@@ -213,6 +215,12 @@ class FakePlane:
                 key: ContainerMemory(dict(procs),
                                      frozenset(self.unmanaged.get(key, set()) & procs.keys()))
                 for key, procs in self.memory_by.items()})
+
+    def audit(self, key: Key, length: float) -> None:
+        self.audits.append((key, length))
+
+    def usage(self) -> UsageView:
+        return UsageView(time.monotonic(), {})
 
     def reclaim(self) -> int:
         self.reclaims += 1

@@ -13,12 +13,21 @@ import math
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cgpu_km.sched.grants import BLIND_AFTER, EVERYONE, GrantHistory, GrantLog
+from cgpu_km.sched.grants import BLIND_AFTER, EVERYONE, SETTLE, GrantHistory, GrantLog
 from cgpu_km.sched.overuse import Judge, Sample
 
 PERIOD = 1 / 6
 GPU = 0
 A, B = (GPU, "a"), (GPU, "b")
+
+
+def driving(*names: str) -> GrantLog:
+    """A dispatcher's log that has driven these containers' gates for SETTLE at 0."""
+    log = GrantLog(-SETTLE)
+    log.record(-SETTLE, set(), driven=set(names))
+    for beat in range(math.ceil(SETTLE / 0.5) + 1):  # the heartbeat, every 0.5 s
+        log.alive(-SETTLE + 0.5 * beat)
+    return log
 
 
 def alternating(log: GrantLog, until: float, turns: dict[str, float], start: float = 0.0
@@ -28,6 +37,8 @@ def alternating(log: GrantLog, until: float, turns: dict[str, float], start: flo
     while t < until:
         for name, turn in turns.items():
             log.record(t, {name})
+            for beat in range(1, math.ceil(turn / 0.5)):  # the heartbeat, every 0.5 s
+                log.alive(t + 0.5 * beat)
             t += turn
 
 
@@ -50,21 +61,21 @@ def samples_of(history: GrantHistory, key: tuple[int, str], pid: int, until: flo
 
 
 def judged(judge: Judge, history: GrantHistory, samples: list[Sample], until: float,
-           launched_at: dict[tuple[tuple[int, str], int], float | None]) -> list[tuple]:
+           launched_at: dict[tuple[tuple[int, str], int], float | None]) -> list[tuple[tuple[int, str], tuple[int, ...], bool]]:
     """Every verdict of a check every half second, samples read as they come."""
     verdicts = []
     pending = sorted(samples, key=lambda s: s.end)
     now = 0.5
     while now <= until:
         judge.add(GPU, [s for s in pending if now - 0.5 < s.end <= now])
-        verdicts += [(v.key, v.pids, bool(v.outside))
+        verdicts += [(v.key, v.pids, v.ungranted)
                      for v in judge.judge(GPU, now, history, launched_at)]
         now += 0.5
     return verdicts
 
 
 def test_the_log_answers_the_seconds_each_container_might_run() -> None:
-    log = GrantLog(0.0)
+    log = driving("a", "b")
     log.record(1.0, {"a"})
     log.record(2.0, {"a", "b"})
     log.record(3.0, set())
@@ -72,23 +83,42 @@ def test_the_log_answers_the_seconds_each_container_might_run() -> None:
     assert history.allowed("a", 0.5, 3.5) == 2.0
     assert history.allowed("b", 0.5, 3.5) == 1.0
     assert history.allowed("b", 3.0, 3.5) == 0.0
-    assert history.allowed("a", -1.0, 1.0) is None  # before the log began
+    assert history.allowed("a", -2.0, 1.0) is None  # before the log began
+    assert history.allowed("c", 0.5, 1.0) is None  # never driven: its gate may be open
 
 
 def test_a_silent_dispatcher_is_a_blind_span_and_policy_5_is_unknown() -> None:
-    log = GrantLog(0.0)
+    log = driving("a", "b")
     log.record(0.5, {"a"})
     log.alive(0.5 + BLIND_AFTER + 0.5)  # the gates may have failed open meanwhile
     log.record(3.0, EVERYONE)
+    log.alive(3.5)
     history = log.history(4.0)
     assert history.allowed("b", 0.1, 0.4) == 0.0
     assert history.allowed("b", 1.0, 1.5) is None
     assert history.allowed("b", 3.1, 3.5) is None
     assert log.history(4.0 + 2 * BLIND_AFTER).allowed("b", 3.9, 5.0) is None
+    log.record(5.0, {"a"})  # policy 5 ends: what it queued may run on for SETTLE
+    for beat in (5.5, 6.0, 6.5, 7.0):
+        log.alive(beat)
+    history = log.history(7.0)
+    assert history.allowed("b", 5.0 + SETTLE - 0.1, 6.6) is None
+    assert history.allowed("b", 5.0 + SETTLE + 0.1, 6.6) == 0.0
+
+
+def test_a_container_is_known_from_settle_after_it_was_first_driven() -> None:
+    log = driving("a")
+    log.record(1.0, {"a"}, driven={"a", "b"})
+    for beat in (1.5, 2.0, 2.5, 3.0):
+        log.alive(beat)
+    history = log.history(3.0)
+    assert history.allowed("b", 1.0 + SETTLE - 0.1, 3.0) is None
+    assert history.allowed("b", 1.0 + SETTLE, 3.0) == 0.0
+    assert history.allowed("a", 0.5, 3.0) == 2.0
 
 
 def test_an_honest_pair_at_one_to_one_read_high_is_never_judged() -> None:
-    log = GrantLog(0.0)
+    log = driving("a", "b")
     alternating(log, 12.0, {"a": 0.02, "b": 0.02})
     history = log.history(12.0)
     samples = (samples_of(history, A, 10, 12.0, run=1.0, bias=1.4, phase=0.05)
@@ -100,7 +130,7 @@ def test_an_honest_pair_at_one_to_one_read_high_is_never_judged() -> None:
 def test_a_process_past_a_cap_is_judged_and_its_honest_neighbour_is_not() -> None:
     """`a` is capped at a tenth (its grants: 20 ms of every 200); one of its processes
     runs past the gate half the time, read as low as NVML may read it."""
-    log = GrantLog(0.0)
+    log = driving("a", "b")
     alternating(log, 12.0, {"a": 0.02, "b": 0.18})
     history = log.history(12.0)
     samples = (samples_of(history, A, 10, 12.0, run=0.5, bias=1.4, phase=0.03)
@@ -116,7 +146,7 @@ def test_a_process_past_a_cap_is_judged_and_its_honest_neighbour_is_not() -> Non
 
 def test_use_while_no_grant_at_all_is_judged_whatever_it_reads() -> None:
     """`b` holds the GPU alone for a second at a time; `a`'s attacker runs then too."""
-    log = GrantLog(0.0)
+    log = driving("a", "b")
     alternating(log, 12.0, {"a": 0.5, "b": 1.0})
     history = log.history(12.0)
     samples = (samples_of(history, A, 10, 12.0, run=1.0, bias=1.4, phase=0.02)
@@ -125,8 +155,58 @@ def test_use_while_no_grant_at_all_is_judged_whatever_it_reads() -> None:
     assert verdicts == [(A, (11,), True)]
 
 
+def test_a_thief_that_reads_low_beside_busy_grants_is_judged_by_an_audit() -> None:
+    """At 1:1 a process of `a` runs past the gate in `b`'s turns, read at 0.7: `a`
+    reads 0.7 * 0.75 of the GPU against grants of 0.5, which the first rule allows.
+    The check wants `a` audited (a process no audit has seen); in the audit `a` is
+    granted nothing for 2.5 periods while `b` holds the GPU, and the thief shows."""
+    log = driving("a", "b")
+    alternating(log, 4.0, {"a": 0.02, "b": 0.02})
+    history = log.history(4.0)
+    thief = samples_of(history, A, 11, 4.0, run=0.0, beside=0.5, bias=0.7, phase=0.07)
+    honest = samples_of(history, A, 10, 4.0, run=1.0, bias=1.4, phase=0.03)
+    judge = Judge()  # over its grants, by the first rule, but who did it?
+    assert judged(judge, history, thief + honest, 4.0, {(A, 10): 3.9, (A, 11): 3.9}) == []
+    assert set(judge.audits_wanted(GPU)) == {A}
+    log.record(4.0, {"b"})  # the audit: b holds, a is barred
+    log.record(4.0 + judge.audit_length(GPU), {"a"})
+    alternating(log, 8.0, {"a": 0.02, "b": 0.02}, start=4.0 + judge.audit_length(GPU))
+    history = log.history(8.0)
+    thief = samples_of(history, A, 11, 8.0, run=0.0, beside=0.5, bias=0.7, phase=0.07)
+    honest = samples_of(history, A, 10, 8.0, run=1.0, bias=1.4, phase=0.03)
+    verdicts = judged(Judge(), history, thief + honest, 8.0, {(A, 10): 7.9, (A, 11): 7.9})
+    assert verdicts == [(A, (11,), True)]
+
+
+def test_audits_are_asked_for_a_process_that_skips_the_gate_and_once_passed_not_again(
+        ) -> None:
+    """Honest processes that launch through the gate are never audited for it; one
+    that runs on the GPU with no launch through the gate is, once: after a quiet
+    span of `a` that the samples cover, it has passed."""
+    log = driving("a", "b")
+    alternating(log, 4.0, {"a": 0.02, "b": 0.02})
+    history = log.history(4.0)
+    honest = samples_of(history, A, 10, 4.0, run=1.0, bias=1.4, phase=0.03)
+    judge = Judge()
+    assert judged(judge, history, honest, 4.0, {(A, 10): 3.9}) == []
+    assert set(judge.audits_wanted(GPU)) == set()
+    idle = samples_of(history, A, 12, 4.0, run=0.2, bias=1.0, phase=0.05, start=3.0)
+    judge.add(GPU, idle)
+    judge.judge(GPU, 4.0, history, {(A, 10): 3.9, (A, 12): None})
+    assert set(judge.audits_wanted(GPU)) == {A}
+    log.record(4.0, {"b"})  # the audit
+    log.record(4.0 + judge.audit_length(GPU), {"a"})
+    alternating(log, 6.0, {"a": 0.02, "b": 0.02}, start=4.0 + judge.audit_length(GPU))
+    history = log.history(6.0)
+    later = samples_of(history, A, 12, 6.0, run=0.2, bias=1.0, phase=0.05, start=4.0)
+    judge.add(GPU, [s for s in later if s.end > 4.0])
+    for now in (5.0, 5.5, 6.0):
+        judge.judge(GPU, now, history, {(A, 10): now, (A, 12): None})
+        assert set(judge.audits_wanted(GPU)) == set()
+
+
 def test_nothing_is_judged_where_the_gates_may_have_failed_open() -> None:
-    log = GrantLog(0.0)
+    log = driving("a", "b")
     log.record(0.0, {"b"})
     log.alive(0.4)
     log.alive(12.0)  # silent for 11.6 s: the gates failed open
@@ -146,7 +226,7 @@ def test_the_sample_period_is_bounded_by_the_samples_spacing() -> None:
     assert math.isclose(high, 0.1)
 
 
-@given(turns=st.lists(st.floats(0.005, 0.4), min_size=2, max_size=8),
+@given(turns=st.lists(st.floats(0.005, 1.0), min_size=2, max_size=8),
        runs=st.lists(st.floats(0.0, 1.0), min_size=2, max_size=4),
        biases=st.lists(st.floats(0.7, 1.4), min_size=2, max_size=4),
        phases=st.lists(st.floats(0.0, PERIOD), min_size=2, max_size=4))
@@ -164,8 +244,8 @@ def test_honest_processes_are_never_judged(turns: list[float], runs: list[float]
     """Containers take turns of any lengths; each process runs any part of its
     container's turns (its processes together at most all of them), never
     outside them, and is read as high as NVML may read it: nothing is judged."""
-    log = GrantLog(0.0)
     names = [f"c{i}" for i in range(len(turns))]
+    log = driving(*names)
     alternating(log, 8.0, dict(zip(names, turns, strict=True)))
     history = log.history(8.0)
     samples = []

@@ -98,11 +98,11 @@ def test_daemon_up_shows_live_figures(known_tree: Path, state: Path,
     ]
     assert container_table(out) == [
         ["0", "abc123def456", "1", "2", "no", "20.0%", "25.0%", "-", "1536MiB / 6043MiB",
-         "125.5s", "12.2s", "3", "2"],
+         "125.5s", "12.2s", "3", "2", "0"],
         ["0", "web", "2", "4", "yes", "80.0%", "50.0%", "-", "0MiB / 15109MiB",
-         "40.0s", "0.5s", "0", "0"],
+         "40.0s", "0.5s", "0", "0", "0"],
         ["1", "train", "3", "1", "no", "50.0%", "0.0%", "50%", "0MiB / 15109MiB",
-         "0.0s", "0.0s", "0", "0"],
+         "0.0s", "0.0s", "0", "0", "0"],
     ]
     assert process_table(out) == [
         ["0", "abc123def456", "4242", "1024MiB", "yes"],
@@ -129,7 +129,7 @@ def test_daemon_gone_shows_what_the_tree_knows(known_tree: Path, state: Path,
     assert gpu_table(out)[0] == ["0", "Tesla T4", "- / 15109MiB", "-", "1 preemptive", "16",
                                  "10", "80%"]
     assert container_table(out)[0] == ["0", "abc123def456", "1", "2", "no", "-", "-", "-",
-                                       "1536MiB / 6043MiB", "-", "-", "-", "-"]
+                                       "1536MiB / 6043MiB", "-", "-", "-", "-", "-"]
     assert len(process_table(out)) == 2
 
 

@@ -1,0 +1,118 @@
+"""GPU time by process as the driver saw it, put in containers by the kernel's view.
+
+The compute check (`cgpu_km.daemon.overuse`) weighs these samples against the
+dispatchers' grants. Read here: NVML's per-process utilization samples newer
+than the last read (each once), their times moved onto the daemon's monotonic
+clock, their host pids put in containers the way the memory round does; and,
+from each container's account, when each process last launched through the
+gate (its slot's counter, compared between reads) and whether its libcgpu
+found the driver's entry points taken by someone else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane.attribution import Attribution, Nvml
+from cgpu_km.dataplane.registry import Attached, Registry
+from cgpu_km.sched.grants import GrantHistory
+from cgpu_km.sched.overuse import Sample
+from cgpu_km.tree.views import Key
+
+Identity = tuple[int, int, int]  # (pid namespace, pid in it, start time)
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """One GPU's new samples, its grants, and its processes' gate launches."""
+
+    samples: list[Sample]
+    grants: GrantHistory
+    launched_at: Mapping[tuple[Key, int], float | None] = field(default_factory=dict)
+    hijacked: frozenset[tuple[Key, int]] = frozenset()
+
+
+@dataclass(frozen=True)
+class UsageView:
+    now: float  # the daemon's monotonic clock, seconds
+    gpus: Mapping[int, GpuUsage]
+
+
+class UsageReader:
+    """What `RegionPlane.usage` reads each round, with what it remembers between rounds."""
+
+    def __init__(self, registry: Registry, nvml: Nvml, attribution: Attribution) -> None:
+        self.registry = registry
+        self.nvml = nvml
+        self.attribution = attribution
+        self._last_seen: dict[int, int] = {}  # gpu -> newest sample timestamp read (us)
+        self._read: dict[int, set[tuple[int, int]]] = {}  # gpu -> (pid, timestamp) read
+        self._launches: dict[tuple[Key, Identity], tuple[int, float]] = {}
+
+    def read(self, grants_of: Callable[[], Mapping[int, GrantHistory]]) -> UsageView:
+        """The samples since the last read, then the grants (`grants_of`), which
+        must cover them."""
+        # Samples may be published a little out of order: ask again for the last
+        # second's, and keep only those not read before.
+        since = {gpu: max(0, seen - 1_000_000) for gpu, seen in self._last_seen.items()}
+        found = self.nvml.utilization_by_pid(since)
+        now = time.monotonic()
+        offset = time.time() - now  # NVML dates samples by the wall clock, in microseconds
+        grants = grants_of()
+        keys = self.registry.keys()
+        owners = kernelview.OwnerIndex(
+            {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None},
+            self.attribution.host, self.attribution.proc)
+        slots = self._slots(keys, now)
+        gpus: dict[int, GpuUsage] = {}
+        for gpu, history in grants.items():
+            read = self._read.setdefault(gpu, set())
+            fresh = [(pid, stamp, percent) for pid, stamp, percent in found.get(gpu, ())
+                     if (pid, stamp) not in read]
+            if fresh:
+                self._last_seen[gpu] = max(self._last_seen.get(gpu, 0),
+                                           *(stamp for _pid, stamp, _ in fresh))
+            read.update((pid, stamp) for pid, stamp, _ in fresh)
+            newest = self._last_seen.get(gpu, 0)
+            self._read[gpu] = {(pid, stamp) for pid, stamp in read
+                               if stamp > newest - 2_000_000}
+            samples = []
+            launched: dict[tuple[Key, int], float | None] = {}
+            hijacked: set[tuple[Key, int]] = set()
+            for pid, stamp, percent in fresh:
+                info = self.attribution.known_info(pid)
+                name = owners.find(info) if info is not None else None
+                key = (gpu, name or "")
+                if info is None or name is None or key not in keys:
+                    continue
+                samples.append(Sample(key, pid, stamp / 1e6 - offset, percent))
+                identity = (info.pidns, info.inner_pid, info.start_time)
+                if (key, identity) in slots:
+                    launched[key, pid], flagged = slots[key, identity]
+                    if flagged:
+                        hijacked.add((key, pid))
+            gpus[gpu] = GpuUsage(samples, history, launched, frozenset(hijacked))
+        return UsageView(now, gpus)
+
+    def _slots(self, keys: Mapping[Key, tuple[Attached, int]], now: float
+               ) -> dict[tuple[Key, Identity], tuple[float | None, bool]]:
+        """Per live slot: when its gate launches last grew (None: it has launched
+        none), and whether its libcgpu flagged the driver's entry points."""
+        found: dict[tuple[Key, Identity], tuple[float | None, bool]] = {}
+        counts: dict[tuple[Key, Identity], tuple[int, float]] = {}
+        for key, (entry, k) in keys.items():
+            region = entry.region
+            if not region.live_slots():
+                continue
+            for view in region.processes():
+                identity = (view.pidns, view.pid, view.start_time)
+                launches = view.launches[k]
+                before = self._launches.get((key, identity))
+                at = now if before is None or before[0] != launches else before[1]
+                counts[key, identity] = (launches, at)
+                found[key, identity] = (at if launches else None, view.hijacked > 0)
+        self._launches = counts
+        return found
