@@ -304,10 +304,11 @@ class Container:
 class ShareJob:
     """`sharework --go-stdin` in a container: the kernels it completes, per bucket."""
 
-    def __init__(self, container: Container, us: int, seconds: float) -> None:
+    def __init__(self, container: Container, us: int, seconds: float, *,
+                 env: Mapping[str, str] | None = None) -> None:
         self.name = container.id12
         args = container.exec_args(["/sharework", "--us", str(us), "--seconds", str(seconds),
-                                    "--go-stdin"])
+                                    "--go-stdin"], env=env)
         log = container.node.log_path(f"{self.name}-share")
         with log.open("ab") as stderr:
             self.popen = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -21,7 +21,11 @@ Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu), what
 libcgpu adds to launches and allocations (libcgpu), and the data plane's
 deadlines, which tests only assert happen: fail open, the in-flight queue, the
 drain after a close (deadlines); and the daemon's stops, from its detection to
-the process gone, by route, 8 at once (stops: runc containers, as root).
+the process gone, by route, 8 at once (stops: runc containers, as root); and
+what a process that launches past libcgpu's gate gets of the GPU, the daemon's
+compute check on (attacks: runc containers, as root). Every part runs with the
+compute check on, and says how many processes it stopped (target: none but
+the attackers').
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.bench import deadlines, latency, libcgpu_bench, stops
+from tests.bench import attacks, deadlines, latency, libcgpu_bench, stops
 from tests.bench.shares import (
     STEADY_AFTER,
     Report,
@@ -58,7 +62,8 @@ ENGINES: tuple[tuple[str, str | None], ...] = (
     ("default engine (SIMGPU_SCHED unset)", None),
     ("SIMGPU_SCHED=fifo", "fifo"),
 )
-PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu", "deadlines", "stops")
+PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu", "deadlines", "stops",
+         "attacks")
 # Targets: |error| of the 1:2 ratio, and what switching and caps must keep.
 WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET = 0.05, 0.02, 0.08
 # ... and of ctr1's share in any 1 s window, in points, where kernels are 1 ms or shorter.
@@ -119,6 +124,16 @@ class Engine:
         got = self.run(policy, [work("c1", us, procs, weight=weights[0]),
                                 work("c2", us, procs, weight=weights[1])], seconds=seconds)
         return summarize(got["c1"], got["c2"], seconds, target)
+
+
+def print_stops(host: SimHost, what: str) -> None:
+    """How many processes the daemon stopped (or would have) while `what` ran: the
+    compute check, the bypass check, the backstop (target: none)."""
+    log = host.daemon_log()
+    judged = log.count("of GPU time in the last")
+    stopped = log.count(": stopping it") + log.count(": reported only")
+    print(f"{what}: the daemon judged {judged} processes for GPU time, stopped {stopped} "
+          f"in all (target: 0) {verdict(judged == 0 and stopped == 0)}\n")
 
 
 def print_head(columns: str) -> None:
@@ -235,6 +250,7 @@ def latency_table(base: Path, root: Path, quick: bool, slice_s: float | None) ->
                 print(latency.line(row, column, got[column], none), flush=True)
                 if column != "none":
                     worst = max(worst, latency.ratio(got[column].p99, none.p99))
+        print_stops(host, "latency")
     finally:
         host.close()
     print(f"worst p99 against none under policies 1, 2, 4: {worst:.2f}x (target: at most "
@@ -262,6 +278,7 @@ def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool,
                 caps(engine)
             if "p1" in parts:
                 policy_one(engine)
+            print_stops(host, name)
         finally:
             host.close()
 
@@ -320,6 +337,7 @@ def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
                  for gpu in range(gpus) for k in (0, 1)]
         with started(host, pairs, 8 + seconds + 2, delay=0.1):
             cpu_of_daemon(0.1, "two busy per GPU (every GPU switching)")
+        print_stops(host, "daemon CPU")
     finally:
         host.close()
     print()
@@ -374,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         deadlines.main(["--rounds", "1"] if args.quick else [])
     if "stops" in parts:
         stops.main([])
+    if "attacks" in parts:
+        attacks.main([])
     print(f"bench took {time.monotonic() - started_at:.0f} s")
     return 0
 
