@@ -390,7 +390,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
 struct proc_row {
     int slot;
     int32_t pid;        /* as seen from this process */
-    int32_t recorded;   /* as recorded in the state (matches the log) */
+    int32_t recorded;   /* as recorded in the state */
+    uint32_t gen;       /* the slot's generation (matches the log) */
     uint64_t mem;
 };
 
@@ -418,6 +419,7 @@ static unsigned compute_procs(int phys, struct proc_row *rows)
         rows[n].slot = i;
         rows[n].pid = pid;
         rows[n].recorded = s->procs[i].pid;
+        rows[n].gen = (uint32_t)s->procs[i].generation;
         rows[n].mem = s->procs[i].mem_bytes[phys];
         n++;
     }
@@ -616,22 +618,23 @@ static nvmlReturn_t exact_process_util(struct nvml_dev *d,
             continue;
         unsigned j;
         for (j = 0; j < n; j++) {
-            if (rows[j].slot == iv->slot && rows[j].recorded == iv->pid)
+            if (rows[j].slot == iv->slot && rows[j].gen == iv->gen)
                 break;
         }
         if (j == n) {
             int32_t pid = iv->pid;
-            if (s->procs[iv->slot].in_use && s->procs[iv->slot].pid == iv->pid)
+            if (s->procs[iv->slot].in_use && (uint32_t)s->procs[iv->slot].generation == iv->gen)
                 sim_slot_alive_locked(iv->slot, &pid);
             rows[n].slot = iv->slot;
             rows[n].pid = pid;
             rows[n].recorded = iv->pid;
+            rows[n].gen = iv->gen;
             rows[n].mem = 0;
             n++;
         }
     }
     for (unsigned j = 0; j < n; j++)
-        busy[j] = sim_busy_in_locked(d->phys, rows[j].slot, rows[j].recorded, from, now);
+        busy[j] = sim_busy_in_locked(d->phys, rows[j].slot, rows[j].gen, from, now);
     sim_unlock();
     if (n == 0 || from >= now) {
         *processSamplesCount = 0;
@@ -669,15 +672,16 @@ static unsigned recent_procs(int phys, uint64_t from, struct proc_row *rows, uin
             break;
         unsigned j;
         for (j = 0; j < n; j++) {
-            if (rows[j].slot == iv->slot && rows[j].recorded == iv->pid)
+            if (rows[j].slot == iv->slot && rows[j].gen == iv->gen)
                 break;
         }
         if (j < n)
             continue;
         const struct sim_proc *p = &s->procs[iv->slot];
-        int alive = p->in_use && p->pid == iv->pid;
+        int alive = p->in_use && (uint32_t)p->generation == iv->gen;
         rows[n].slot = iv->slot;
         rows[n].recorded = iv->pid;
+        rows[n].gen = iv->gen;
         rows[n].pid = iv->pid;
         rows[n].mem = 0;
         if (alive)
@@ -742,7 +746,7 @@ static nvmlReturn_t sampled_process_util(struct nvml_dev *d,
         while (k < history && last_us - k * period_us > lastSeenTimeStamp &&
                last_end >= (k + 1) * period + logged_since)
             k++;
-        sim_busy_periods_locked(d->phys, rows[j].slot, rows[j].recorded, last_end, period, k,
+        sim_busy_periods_locked(d->phys, rows[j].slot, rows[j].gen, last_end, period, k,
                                 busy);
         for (unsigned i = 0; i < k; i++) {
             unsigned util = biased_percent(busy[i], period, bias[j]);

@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #define SIM_MAGIC 0x53494d4750553032ULL /* "SIMGPU02" */
-#define SIM_LAYOUT_VERSION 2U
+#define SIM_LAYOUT_VERSION 3U
 /* Lock bytes live far beyond the mapped data (locks may cover bytes past EOF). */
 #define SIM_LOCK_MUTEX_OFF (1LL << 32)
 #define SIM_LOCK_SLOT_OFF ((1LL << 32) + 16)
@@ -395,13 +395,14 @@ static void log_append(int dev, int slot, uint64_t start, uint64_t end, uint64_t
 {
     struct sim_device *d = &g_state->devices[dev];
     int32_t pid = g_state->procs[slot].pid;
+    uint32_t gen = (uint32_t)g_state->procs[slot].generation;
     d->busy_total_ns += end - start;
     g_state->procs[slot].busy_ns[dev] += end - start;
     if (end == start)
         return;
     if (d->log_count > 0) {
         struct sim_interval *last = &d->log[(d->log_count - 1) % SIM_LOG_LEN];
-        if (last->slot == slot && last->pid == pid && last->end_ns == start) {
+        if (last->slot == slot && last->gen == gen && last->end_ns == start) {
             last->end_ns = end;
             last->done_ns = done;
             return;
@@ -413,6 +414,8 @@ static void log_append(int dev, int slot, uint64_t start, uint64_t end, uint64_t
     iv->done_ns = done;
     iv->slot = slot;
     iv->pid = pid;
+    iv->gen = gen;
+    iv->reserved = 0;
     d->log_count++;
 }
 
@@ -624,7 +627,7 @@ uint64_t sim_ticket_time_locked(const struct sim_ticket *t)
     /* The stretch in which the slot's done_ns crossed pos. */
     for (uint64_t k = 0; k < n; k++) {
         const struct sim_interval *iv = &d->log[(d->log_count - 1 - k) % SIM_LOG_LEN];
-        if (iv->slot != t->slot || iv->pid != p->pid)
+        if (iv->slot != t->slot || iv->gen != (uint32_t)p->generation)
             continue;
         if (iv->done_ns < t->pos)
             break;
@@ -674,15 +677,15 @@ void sim_ticket_wait(const struct sim_ticket *t)
     }
 }
 
-uint64_t sim_busy_in_locked(int dev, int slot, int32_t pid, uint64_t from_ns, uint64_t to_ns)
+uint64_t sim_busy_in_locked(int dev, int slot, uint32_t gen, uint64_t from_ns, uint64_t to_ns)
 {
     uint64_t busy = 0;
     if (to_ns > from_ns)
-        sim_busy_periods_locked(dev, slot, pid, to_ns, to_ns - from_ns, 1, &busy);
+        sim_busy_periods_locked(dev, slot, gen, to_ns, to_ns - from_ns, 1, &busy);
     return busy;
 }
 
-void sim_busy_periods_locked(int dev, int slot, int32_t pid, uint64_t last_end_ns,
+void sim_busy_periods_locked(int dev, int slot, uint32_t gen, uint64_t last_end_ns,
                              uint64_t period_ns, unsigned n, uint64_t *out)
 {
     const struct sim_device *d = &g_state->devices[dev];
@@ -695,7 +698,7 @@ void sim_busy_periods_locked(int dev, int slot, int32_t pid, uint64_t last_end_n
         const struct sim_interval *iv = &d->log[(d->log_count - 1 - k) % SIM_LOG_LEN];
         if (iv->end_ns <= base)
             break;
-        if (slot >= 0 && (iv->slot != slot || iv->pid != pid))
+        if (slot >= 0 && (iv->slot != slot || iv->gen != gen))
             continue;
         uint64_t a = iv->start_ns > base ? iv->start_ns : base;
         uint64_t b = iv->end_ns < last_end_ns ? iv->end_ns : last_end_ns;

@@ -72,6 +72,11 @@ struct sim_interval {
     uint64_t done_ns;  /* timeslice engine: the slot's done_ns at end_ns */
     int32_t slot;
     int32_t pid; /* recorded pid of the slot's owner */
+    /* its generation (low bits): the recorded pid is the pid in the process's own
+     * pid namespace when /proc is that namespace's, so two processes that held
+     * one slot in turn may record one pid */
+    uint32_t gen;
+    uint32_t reserved;
 };
 
 /* The time-sliced engine of one device (see the top of this file). */
@@ -151,11 +156,11 @@ SIM_HIDDEN uint64_t sim_used_locked(int dev);
 /* Under the lock, after sim_advance_locked: busy time of a device in
  * [from, to): of all processes (slot < 0), or of the process that held slot
  * with that recorded pid. */
-SIM_HIDDEN uint64_t sim_busy_in_locked(int dev, int slot, int32_t pid, uint64_t from_ns,
+SIM_HIDDEN uint64_t sim_busy_in_locked(int dev, int slot, uint32_t gen, uint64_t from_ns,
                                        uint64_t to_ns);
 /* The same for n consecutive periods: out[i] gets the busy time in
  * [last_end - (n - i) * period, last_end - (n - 1 - i) * period). */
-SIM_HIDDEN void sim_busy_periods_locked(int dev, int slot, int32_t pid, uint64_t last_end_ns,
+SIM_HIDDEN void sim_busy_periods_locked(int dev, int slot, uint32_t gen, uint64_t last_end_ns,
                                         uint64_t period_ns, unsigned n, uint64_t *out);
 /* Under the lock: the start of the oldest interval the log of dev still holds
  * (0 while it has never wrapped). */

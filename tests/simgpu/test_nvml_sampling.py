@@ -144,3 +144,19 @@ def test_reading_lags_by_up_to_a_sample(sim: SimHost) -> None:
     assert stamp == got["quiet"] + 300_000
     expected = 100 * (stamp - got["started"]) / 300_000
     assert expected - 5 <= util <= expected + 1, (util, expected)
+
+
+def test_a_slot_taken_by_a_new_process_of_the_same_recorded_pid_starts_clean(
+        sim: SimHost) -> None:
+    """A process records its pid in its own pid namespace when /proc is that
+    namespace's (SIMGPU_PID here), so the one that takes a freed slot after it
+    may record the same pid. NVML must not show the newcomer, which has run
+    nothing, with what its predecessor ran (the daemon's compute check read
+    that as a process running past its gate: issue 36)."""
+    busy = sim.start("--kernels", "100", "--us", "10000", "--go-stdin", SIMGPU_PID="3")
+    busy.go()
+    busy.finish()  # it ran about a second, then exited: its slot is free
+    idle = sim.start("--hold-stdin", SIMGPU_PID="3")
+    got: dict[str, Any] = sim.result(READ, SIMGPU_NVML_PROC_BIAS="1.0")
+    assert idle.ready["pid"] not in _by_pid(got["window"])
+    assert idle.ready["pid"] not in _by_pid(got["latest"])
