@@ -51,14 +51,16 @@ class ComputeService:
                 log.warning("cannot read GPU time by process: %s", error)
                 continue
             for gpu, found in sorted(view.gpus.items()):
+                period = self.judge.periods(gpu)[1]
                 self.judge.add(gpu, found.samples)
+                if self.judge.periods(gpu)[1] < period:
+                    log.info("GPU %d: NVML's per-process samples come %.3f s apart, or a "
+                             "multiple of it", gpu, self.judge.periods(gpu)[1])
                 for verdict in self.judge.judge(gpu, view.now, found.grants,
                                                 found.launched_at, found.hijacked):
                     self._act(verdict)
                 for key, why in self.judge.audits_wanted(gpu).items():
-                    log.debug("container %s on GPU %d: audit of %.2f s wanted: %s", key[1], gpu,
-                              self.judge.audit_length(gpu), why)
-                    self.plane.audit(key, self.judge.audit_length(gpu))
+                    self.plane.audit(key, self.judge.audit_length(gpu), why)
             self.rounds += 1
 
     def _act(self, verdict: Verdict) -> None:

@@ -46,7 +46,7 @@ class Settings:
     # stopped or reported as `on_bypass` says.
     compute_window: float = 2.0
     compute_interval: float = 0.25  # NVML's per-process samples are read this often
-    audit_every: float = 30.0  # a busy container is audited at least this often
+    audit_every: float = 300.0  # a busy container is audited at least this often
     compute_tolerance: float = 1.5
 
     def __post_init__(self) -> None:

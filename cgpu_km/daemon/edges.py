@@ -137,9 +137,9 @@ class Plane(Protocol):
     def memory(self) -> MemoryView:
         """Per-container GPU memory from NVML, attributed by the kernel (blocking)."""
 
-    def audit(self, key: Key, length: float) -> None:
+    def audit(self, key: Key, length: float, why: str) -> None:
         """Ask the container's dispatcher for an audit: a quiet span of `length`
-        seconds (returns at once)."""
+        seconds (returns at once; `why` goes to the journal when it begins)."""
 
     def usage(self) -> UsageView:
         """NVML's per-process GPU time since the last call, put in containers, with

@@ -140,7 +140,10 @@ class Dispatcher:
         self._configured = False  # since the last step
         self._grants = GrantLog(clock() / 1e9)  # who may run when, for the compute check
         self._audits: dict[str, int] = {}
-        self._audit_wanted: dict[str, float] = {}  # name -> the quiet span asked for
+        self._audit_wanted: dict[str, tuple[float, str]] = {}  # name -> (length, why)
+        # The containers whose gates hold: their regions stamped by a heartbeat (a
+        # gate fails open until then) and the scheduler configured with them.
+        self._stamped: frozenset[str] = frozenset()
         self.error: BaseException | None = None
 
     @property
@@ -197,9 +200,11 @@ class Dispatcher:
             late = self._scheduler.late
             native = self._scheduler.config.policy is Policy.NATIVE
             holder = frozenset((decision.holder,)) if decision.holder is not None else frozenset()
+            driven = self._stamped & observed.keys() & self._scheduler.config.containers.keys()
+            # An armed gate is no grant: a launch through it rings, and the next step
+            # grants the container (or closes its gate) a round trip later.
             self._grants.record(now / 1e9, EVERYONE if native else
-                                decision.open | decision.armed | late | holder,
-                                driven=observed.keys())
+                                decision.open | late | holder, driven=driven)
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed)
@@ -210,11 +215,11 @@ class Dispatcher:
                       " ".join(f"{n}={o.drained_at:.4f}" for n, o in sorted(observed.items())))
         return decision
 
-    def audit(self, name: str, length: float) -> None:
+    def audit(self, name: str, length: float, why: str) -> None:
         """Ask for an audit of `name` (`cgpu_km.sched.overuse`): a quiet span of
         `length` seconds, as soon as it waits while another holds the GPU."""
         with self._lock:
-            self._audit_wanted[name] = length
+            self._audit_wanted[name] = (length, why)
 
     def _audit(self, now: float, observed: Mapping[str, Observation]) -> None:
         """Bar one container that an audit was asked for, if it waits while another
@@ -229,9 +234,11 @@ class Dispatcher:
                 del wanted[name]
             elif (holder is not None and name != holder and name not in scheduler.late
                     and observed.get(name, NOTHING).waiting):
-                scheduler.bar(name, now + wanted.pop(name))
+                length, why = wanted.pop(name)
+                scheduler.bar(name, now + length)
                 self._audits[name] = self._audits.get(name, 0) + 1
-                log.debug("GPU %d at %.4f: audit of %s", self.gpu, now, name)
+                log.info("container %s on GPU %d: audited for %.2f s (%s)", name, self.gpu,
+                         length, why)
                 return
 
     def run(self) -> None:
@@ -253,10 +260,12 @@ class Dispatcher:
                     wake_at = watch.otherwise if watch is not None else decision.wake_at
                     step_at = min(wake_at * 1e9, now + IDLE_WAKE_NS)
                 if now >= next_beat - BEAT_SLACK_NS:
+                    stamped = frozenset(self._observed)
                     self.port.heartbeat(now)
                     next_beat = now + HEARTBEAT_NS
                     with self._lock:
                         self._grants.alive(now / 1e9)
+                        self._stamped = stamped
                 with self._lock:
                     late, draining = self._scheduler.late, self._scheduler.draining
                 # Rings that are answers: those of the holder while it drains (until
@@ -311,15 +320,8 @@ class RegionPort:
         """The containers on this GPU: name -> (its region, its container GPU)."""
         doorbells = {name: region.doorbell_address(k) for name, (region, k) in entries.items()}
         with self._lock:
-            new = [region for name, (region, _k) in entries.items()
-                   if self._entries.get(name, (None,))[0] is not region]
             self._entries = dict(entries)
             self._doorbells = doorbells
-        # A new region's gates fail open until its first heartbeat: stamp it now, so
-        # that the step the kick makes drives its gate at once.
-        now = time.monotonic_ns()
-        for region in new:
-            region.heartbeat(now)
         self.kick()
 
     def entries(self) -> dict[str, tuple[Region, int]]:

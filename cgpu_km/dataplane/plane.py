@@ -142,11 +142,11 @@ class RegionPlane:
                 entry.region.publish_seen(view.seen.get(entry.name, ()))
         return view
 
-    def audit(self, key: Key, length: float) -> None:
+    def audit(self, key: Key, length: float, why: str) -> None:
         with self._lock:
             dispatcher = self._dispatchers.get(key[0])
         if dispatcher is not None:
-            dispatcher.audit(key[1], length)
+            dispatcher.audit(key[1], length, why)
 
     def usage(self) -> UsageView:
         """NVML's per-process samples since the last call, put in containers, with

@@ -23,6 +23,7 @@ from cgpu_km.sched.overuse import Sample
 from cgpu_km.tree.views import Key
 
 Identity = tuple[int, int, int]  # (pid namespace, pid in it, start time)
+KNOWN_FOR = 10.0  # seconds a process's slot figures are kept after it was last seen
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class UsageReader:
         self._last_seen: dict[int, int] = {}  # gpu -> newest sample timestamp read (us)
         self._read: dict[int, set[tuple[int, int]]] = {}  # gpu -> (pid, timestamp) read
         self._launches: dict[tuple[Key, Identity], tuple[int, float]] = {}
+        # What the slots said of each process, kept a while after its slot is gone:
+        # its samples outlive it in the check's window.
+        self._known: dict[tuple[Key, int], tuple[float | None, bool, float]] = {}
 
     def read(self, grants_of: Callable[[], Mapping[int, GrantHistory]]) -> UsageView:
         """The samples since the last read, then the grants (`grants_of`), which
@@ -80,8 +84,6 @@ class UsageReader:
             self._read[gpu] = {(pid, stamp) for pid, stamp in read
                                if stamp > newest - 2_000_000}
             samples = []
-            launched: dict[tuple[Key, int], float | None] = {}
-            hijacked: set[tuple[Key, int]] = set()
             for pid, stamp, percent in fresh:
                 info = self.attribution.known_info(pid)
                 name = owners.find(info) if info is not None else None
@@ -91,10 +93,13 @@ class UsageReader:
                 samples.append(Sample(key, pid, stamp / 1e6 - offset, percent))
                 identity = (info.pidns, info.inner_pid, info.start_time)
                 if (key, identity) in slots:
-                    launched[key, pid], flagged = slots[key, identity]
-                    if flagged:
-                        hijacked.add((key, pid))
-            gpus[gpu] = GpuUsage(samples, history, launched, frozenset(hijacked))
+                    self._known[key, pid] = (*slots[key, identity], now)
+            known = {found: seen for found, seen in self._known.items() if found[0][0] == gpu}
+            gpus[gpu] = GpuUsage(
+                samples, history, {found: at for found, (at, _h, _t) in known.items()},
+                frozenset(found for found, (_at, flagged, _t) in known.items() if flagged))
+        self._known = {found: seen for found, seen in self._known.items()
+                       if now - seen[2] < KNOWN_FOR}
         return UsageView(now, gpus)
 
     def _slots(self, keys: Mapping[Key, tuple[Attached, int]], now: float

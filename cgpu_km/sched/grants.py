@@ -1,11 +1,15 @@
 """When each container of one GPU may run work: the scheduler's grants as a step
 function of time, for the daemon's check of what the driver saw each process do.
 
-A container may run while its gate is open or armed, while it drains after its
-gate closed (its drain answer not seen yet), and while it is late (cut, or
-handed over from): every span the scheduler charges it for, or knows it runs
-beside the holder. The dispatcher records the set at every step that changes
-it (`GrantLog.record`), and marks itself alive at every step and heartbeat
+A container may run while its gate is open, while it drains after its gate
+closed (its drain answer not seen yet), and while it is late (cut, or handed
+over from): every span the scheduler charges it for, or knows it runs beside
+the holder. An armed gate lets a launch through, which rings: the next step
+grants the container or closes the gate, a round trip later; so a container
+that never waits at its gate stays armed without ever being granted.
+
+The dispatcher records the set at every step that changes it
+(`GrantLog.record`), and marks itself alive at every step and heartbeat
 (`GrantLog.alive`): a gap longer than `BLIND_AFTER` is a span in which the
 gates may have failed open, so nothing is known of it. Under policy 5 every
 container may run (`EVERYONE`).
@@ -31,10 +35,9 @@ EVERYONE = None  # a mark under which every container may run (policy 5, a gate 
 BLIND_AFTER = 1.0
 # What ran ungated may run on for a while once the gates close: work queued under
 # policy 5, or by a container's processes before the dispatcher drove its gate
-# (a new region's gates fail open until its first heartbeat, which the
-# dispatcher stamps as it takes the region on). So a container is known only
-# from this long after the dispatcher first drove it, and everyone only this
-# long after policy 5 ends: the drain limit, which bounds any drain.
+# (a new region's gates fail open until its first heartbeat). So a container is
+# known only from this long after the dispatcher first drove it, and everyone
+# only this long after policy 5 ends: the drain limit, which bounds any drain.
 SETTLE = 0.5
 
 Mark = tuple[float, frozenset[str] | None]

@@ -60,6 +60,7 @@ __all__ = ["DEFAULT_PERIOD", "Judge", "Sample", "Verdict"]
 Key = tuple[int, str]  # a container on a GPU, as cgpu_km.tree.views names it
 DEFAULT_PERIOD = 1 / 6  # the shortest sample period NVML documents (the longest: 1 s)
 MIN_PERIOD, MAX_PERIOD = 0.02, 1.0
+SUSPECT_FOR = 0.5  # a process suspected this long is audited
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class _Audited:
     first: float  # when it was first seen to run
     pids: set[int] = field(default_factory=set)
     floor: float | None = None  # the least its samples were of its grants since
+    suspected: dict[int, float] = field(default_factory=dict)  # pid -> since when
     asked_at: float = -math.inf
 
 
@@ -121,7 +123,7 @@ class Judge:
     """Samples in, verdicts and audits wanted out; one per daemon, for every GPU."""
 
     def __init__(self, *, window: float = 2.0, tolerance: float = 1.5, slack: float = 0.05,
-                 excess_min: float = 0.02, rise: float = 1.25, audit_every: float = 30.0
+                 excess_min: float = 0.02, rise: float = 1.25, audit_every: float = 300.0
                  ) -> None:
         self.window = window
         self.tolerance = tolerance
@@ -266,13 +268,18 @@ class Judge:
         ratio = self._ratio(key, grants, state, arrived, audited)
         busy = ratio is not None
         ran = {s.pid for s in state.samples if s.key == key and s.end > begin}
-        unseen = {pid for pid in ran - audited.pids if suspect(pid)}
+        # Suspects an audit has not seen, suspected for a while (a process that has
+        # only just started may have run before its first launch was counted).
+        suspects = {pid for pid in ran - audited.pids if suspect(pid)}
+        audited.suspected = {pid: audited.suspected.get(pid, now) for pid in suspects}
+        unseen = {pid for pid, since in audited.suspected.items()
+                  if now - since >= SUSPECT_FOR}
         why = None
         if over:
             why = "over its grants, every process of it launching through the gate"
         elif unseen:
             why = f"pid {min(unseen)} ran on the GPU but launched nothing through the gate"
-        elif ratio is not None and audited.floor is not None and (
+        elif ratio is not None and audited.floor is not None and audited.floor >= 0.1 and (
                 ratio > self.rise * audited.floor + 0.1):
             why = f"its samples rose from {audited.floor:.2f} to {ratio:.2f} of its grants"
         elif busy and now - audited.passed_at > self.audit_every:

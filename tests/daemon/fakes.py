@@ -216,7 +216,7 @@ class FakePlane:
                                      frozenset(self.unmanaged.get(key, set()) & procs.keys()))
                 for key, procs in self.memory_by.items()})
 
-    def audit(self, key: Key, length: float) -> None:
+    def audit(self, key: Key, length: float, why: str) -> None:
         self.audits.append((key, length))
 
     def usage(self) -> UsageView:

@@ -788,8 +788,59 @@ def section_latency(cfg: Config) -> None:
           f"scheduler's (target: at most {latency.P99_TARGET:g}x)")
 
 
+# -- 5. the compute check (issue 36) -----------------------------------------------
+
+JUDGED = "of GPU time in the last"  # the daemon's line for a process it judged
+
+
+def section_detector(cfg: Config) -> None:
+    """What the daemon's compute check makes of this driver's NVML: it stopped
+    nothing in the honest runs before it, and it stops a process that launches
+    past libcgpu's gate (tests/attacks/rawlaunch.c, ahead of libcgpu in its own
+    LD_PRELOAD) beside an honest container at 1:1, policy 1."""
+    daemon_log = cfg.work / "logs" / "daemon.log"
+    before = daemon_log.read_text(errors="replace") if daemon_log.exists() else ""
+    check(cfg, before.count(JUDGED) == 0,
+          f"detector: judged {before.count(JUDGED)} processes in the honest sections "
+          "(target: 0)")
+    library = cfg.work / "librawlaunch.so"
+    if not library.exists():
+        raise Broken(f"{library} is not built (validate.sh builds tests/attacks/rawlaunch.c)")
+    host = TreeHost(cfg)
+    treefs.write_node(cfg.root, "0/policy", 1)
+    seconds = 8
+    work = [str(host.sharework), "--us", "1000", "--seconds", str(seconds)]
+    stamp(f"detector: det-a (launches past the gate) beside det-b, policy 1, {seconds} s")
+    honest = host.cgpu_run("det-b", work, stdout=subprocess.DEVNULL)
+    started = time.monotonic()
+    host.cgpu_run("det-a", ["sh", "-c", f'LD_PRELOAD={library}:$LD_PRELOAD exec "$@"',
+                            "sh", *work], stdout=subprocess.DEVNULL)
+    found_at = None
+    while time.monotonic() < started + seconds + 30 and honest.poll() is None:
+        text = daemon_log.read_text(errors="replace")[len(before):]
+        if found_at is None and "det-a" in text and JUDGED in text:
+            found_at = time.monotonic() - started
+        time.sleep(0.05)
+    host.stop("det-a")
+    host.stop("det-b")
+    text = daemon_log.read_text(errors="replace")[len(before):]
+    lines = [line for line in text.splitlines() if JUDGED in line]
+    periods = [line for line in text.splitlines() + before.splitlines()
+               if "NVML's per-process samples" in line]
+    emit(cfg, "\n### 5. The compute check\nrawlaunch.c in one container, an honest "
+              "sharework in the other, policy 1, 1 ms kernels\n")
+    emit(cfg, "```text\n" + "\n".join([*periods[-1:], *lines] or ["(nothing judged)"])
+         + "\n```")
+    print(f"detector: judged {found_at:.1f} s after the start" if found_at is not None
+          else "detector: nothing judged", flush=True)
+    check(cfg, found_at is not None and all("det-a" in line for line in lines)
+          and honest.returncode == 0,
+          f"detector: the process that launched past the gate was judged "
+          f"({len(lines)} line(s), det-a only), the honest container ran to its end")
+
+
 SECTIONS = {"memory": section_memory, "compute": section_compute, "overhead": section_overhead,
-            "latency": section_latency}
+            "latency": section_latency, "detector": section_detector}
 
 
 def main(argv: Sequence[str]) -> int:

@@ -10,7 +10,9 @@
 # mount-free cgpu_km.tree.plain), starts cgpu-daemon, and runs four sections
 # (tests/gpu/harness.py): 1. memory, 2. compute (weights 1:2 under policies
 # 2, 1, 5), 3. overhead, 4. latency (make bench's latency rows, sharework's
-# timed kernels: no scheduler against policies 1, 2, 4). Before them,
+# timed kernels: no scheduler against policies 1, 2, 4), 5. detector (the
+# daemon's compute check stopped nothing so far, and stops a process that
+# launches past libcgpu's gate: tests/attacks/rawlaunch.c). Before them,
 # tests/gpu/procaddr_probe.c checks that cuGetProcAddress, dlsym and dlvsym
 # answer each name libcgpu wraps with its wrapper on this driver. About 8
 # minutes on a GPU. It prints tables and one PASS/FAIL line per check;
@@ -33,7 +35,7 @@ SIMULATE=0
 for arg in "$@"; do
     case "$arg" in
         --simulate) SIMULATE=1 ;;
-        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "validate.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -376,6 +378,11 @@ run_section overhead $(( 4 * per_phase + 150 ))
 latency_limit=$("$PY" -c 'import sys; print(int(36 * (float(sys.argv[1]) + 5)) + 60)' "${VALIDATE_LATENCY_SECONDS:-3}") \
     || broken "VALIDATE_LATENCY_SECONDS must be a number of seconds"
 run_section latency "$latency_limit"
+cc=$(command -v gcc || command -v cc) \
+    && timeout 120 "$cc" -std=gnu11 -O2 -shared -fPIC -Ilibcgpu/include -o "$WORK/librawlaunch.so" \
+        tests/attacks/rawlaunch.c >"$WORK/logs/build-rawlaunch.log" 2>&1 \
+    || log "cannot build tests/attacks/rawlaunch.c: the detector section will not run"
+run_section detector 120
 
 # --- summary ---------------------------------------------------------------------------------------
 echo

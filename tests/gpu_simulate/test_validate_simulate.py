@@ -2,8 +2,9 @@
 
 The script must not rot between the rare runs on an NVIDIA GPU: this runs it
 whole (build, control tree, daemon, memory, compute under policies 2/1/5,
-overhead, two latency rows) and checks what it prints. Bounds are generous (a small shared
-host); the real accuracy bar is checked on the GPU.
+overhead, two latency rows, the compute check) and checks what it prints.
+Bounds are generous (a small shared host); the real accuracy bar is checked on
+the GPU.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
     for heading in ("### 1. Memory", "### 2. Compute: policy 2", "### 2. Compute: policy 1",
-                    "### 2. Compute: policy 5", "### 3. Overhead", "### 4. Latency"):
+                    "### 2. Compute: policy 5", "### 3. Overhead", "### 4. Latency",
+                    "### 5. The compute check"):
         assert heading in out, out[-3000:]
     assert "BROKEN" not in out
     assert "PASS memory: allocates up to the limit, out of memory beyond it" in out
@@ -72,6 +74,9 @@ def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
                      "validate.txt"]
     assert re.search(r"^PASS lookups: driver \d+, \d+ queries", out, re.MULTILINE), out[-3000:]
     assert "### 3. Overhead" in (tmp_path / "out" / "tables.md").read_text()
+    # the daemon's compute check stopped no honest process, and stops the attacker
+    assert "PASS detector: judged 0 processes in the honest sections" in out, out[-3000:]
+    assert "PASS detector: the process that launched past the gate was judged" in out
 
 
 @pytest.mark.timeout(200)

@@ -60,8 +60,11 @@ def samples_of(history: GrantHistory, key: tuple[int, str], pid: int, until: flo
     return found
 
 
+Judged = tuple[tuple[int, str], tuple[int, ...], bool]  # container, pids, ungranted
+
+
 def judged(judge: Judge, history: GrantHistory, samples: list[Sample], until: float,
-           launched_at: dict[tuple[tuple[int, str], int], float | None]) -> list[tuple[tuple[int, str], tuple[int, ...], bool]]:
+           launched_at: dict[tuple[tuple[int, str], int], float | None]) -> list[Judged]:
     """Every verdict of a check every half second, samples read as they come."""
     verdicts = []
     pending = sorted(samples, key=lambda s: s.end)
@@ -192,6 +195,8 @@ def test_audits_are_asked_for_a_process_that_skips_the_gate_and_once_passed_not_
     assert set(judge.audits_wanted(GPU)) == set()
     idle = samples_of(history, A, 12, 4.0, run=0.2, bias=1.0, phase=0.05, start=3.0)
     judge.add(GPU, idle)
+    judge.judge(GPU, 3.5, history, {(A, 10): 3.4, (A, 12): None})
+    assert set(judge.audits_wanted(GPU)) == set()  # suspected, not for long enough yet
     judge.judge(GPU, 4.0, history, {(A, 10): 3.9, (A, 12): None})
     assert set(judge.audits_wanted(GPU)) == {A}
     log.record(4.0, {"b"})  # the audit
