@@ -31,6 +31,8 @@ from tests.containers.helpers import (
     run_detached,
 )
 
+REPO = Path(__file__).resolve().parents[2]
+
 pytestmark = [
     pytest.mark.skipif(missing("dockerd", "containerd", "runc") is not None,
                        reason=f"{missing('dockerd', 'containerd', 'runc')} is not installed "
@@ -186,3 +188,31 @@ def test_a_process_that_bypasses_libcgpu_is_stopped(docker: PrivateDocker, sim: 
         assert state.strip() == "true"
         assert docker.check("exec", "gpu_bypass", "nvidia-smi", "--query-gpu=memory.used",
                             "--format=csv,noheader,nounits") == "1024\n"
+
+
+def test_a_process_that_launches_past_its_gate_is_stopped(
+        docker: PrivateDocker, sim: SimHost, tmp_path: Path) -> None:
+    """Issue 36, item 1, under Docker: a process with libcgpu loaded, and so a slot,
+    launches through the driver's own cuLaunchKernel (tests/attacks/rawlaunch.c,
+    ahead of libcgpu in its LD_PRELOAD). Its container never waits at its gate, so
+    it is never granted: what NVML sees it run was not granted, and the daemon
+    SIGKILLs it. The container's own process keeps running."""
+    library = tmp_path / "librawlaunch.so"
+    subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared",
+                    "-fPIC", f"-I{REPO / 'libcgpu' / 'include'}", "-o", str(library),
+                    str(REPO / "tests" / "attacks" / "rawlaunch.c")], check=True)
+    with running_daemon(sim) as log:
+        dockerid = run_detached(docker, "gpu_past_gate", *CGPU_6_OF_15, "-e",
+                                "NVIDIA_VISIBLE_DEVICES=0")
+        assert "ready pid=" in wait_for_log(docker, "gpu_past_gate", "ready pid=")
+        docker.check("cp", str(library), "gpu_past_gate:/librawlaunch.so")
+        rogue = docker.docker("exec", "-e", "LD_PRELOAD=/librawlaunch.so", "gpu_past_gate",
+                              "cuworkload", "--kernels", "20000", "--us", "1000", timeout=150)
+        assert rogue.returncode == 137, rogue.stdout + rogue.stderr  # SIGKILL
+        judged = [line for line in log.read_text().splitlines()
+                  if "s of GPU time in the last" in line]
+        assert len(judged) == 1, judged
+        assert judged[0].startswith(f"cgpu-daemon: container {dockerid} on GPU 0 used ")
+        assert judged[0].endswith("stopping it")
+        state = docker.check("inspect", "--format", "{{.State.Running}}", "gpu_past_gate")
+        assert state.strip() == "true"
