@@ -180,41 +180,19 @@ class Judge:
         self._wanted[gpu] = {}
         if state is None:
             return []
-        period, longest = self.periods(gpu)
         # Samples are judged as they come; a window still missing some of its
         # samples only reads less. A quiet span counts for an audit once every
         # sample of a period within it has come (a period after its end).
         end = now
         begin = end - self.window
-        starts: dict[Key, float] = {}  # each container's window
         keep = end - self.window - max(self.window, self.audit_length(gpu))
         while state.samples and state.samples[0].end <= keep:
             state.samples.popleft()
         state.last_end = {pid: t for pid, t in state.last_end.items() if t > keep}
-        margin = longest / 4
-        used: dict[Key, dict[int, float]] = {}
-        past: dict[Key, dict[int, float]] = {}
-        ungranted: set[Key] = set()
-        for sample in state.samples:
-            key = sample.key
-            if key not in starts:
-                known = grants.known_from(key[1])
-                starts[key] = end if known is None else max(begin, known + longest)
-            if not starts[key] < sample.end <= end or (key, sample.pid) in self._judged:
-                continue
-            seconds = sample.percent / 100 * period
-            mine = used.setdefault(sample.key, {})
-            mine[sample.pid] = mine.get(sample.pid, 0.0) + seconds
-            near = grants.allowed(sample.key[1], sample.end - longest - margin,
-                                  sample.end + margin)
-            if near is None or seconds <= self.tolerance * near:
-                continue
-            over = past.setdefault(sample.key, {})
-            over[sample.pid] = over.get(sample.pid, 0.0) + seconds - self.tolerance * near
-            if near == 0.0:
-                ungranted.add(sample.key)
+        starts, used, past, ungranted = self._tally(gpu, state, grants, begin, end)
         verdicts = []
         over_grants: dict[Key, bool] = {}  # over, but no process to blame
+        longest = self.periods(gpu)[1]
         for key, by_pid in sorted(used.items()):
             allowed = grants.allowed(key[1], starts[key] - longest, end)
             if allowed is None:
@@ -245,6 +223,37 @@ class Judge:
         self._audited = {key: a for key, a in self._audited.items()
                          if key[0] != gpu or key in seen}
         return verdicts
+
+    def _tally(self, gpu: int, state: _Gpu, grants: GrantHistory, begin: float, end: float
+               ) -> tuple[dict[Key, float], dict[Key, dict[int, float]],
+                          dict[Key, dict[int, float]], set[Key]]:
+        """Each container's window (from `begin`, or from when it is known), the
+        seconds its processes' samples in it add up to, those past their
+        periods' grants, and the containers some of it ran with no grant."""
+        period, longest = self.periods(gpu)
+        margin = longest / 4
+        starts: dict[Key, float] = {}
+        used: dict[Key, dict[int, float]] = {}
+        past: dict[Key, dict[int, float]] = {}
+        ungranted: set[Key] = set()
+        for sample in state.samples:
+            key, pid = sample.key, sample.pid
+            if key not in starts:
+                known = grants.known_from(key[1])
+                starts[key] = end if known is None else max(begin, known + longest)
+            if not starts[key] < sample.end <= end or (key, pid) in self._judged:
+                continue
+            seconds = sample.percent / 100 * period
+            mine = used.setdefault(key, {})
+            mine[pid] = mine.get(pid, 0.0) + seconds
+            near = grants.allowed(key[1], sample.end - longest - margin, sample.end + margin)
+            if near is None or seconds <= self.tolerance * near:
+                continue
+            over = past.setdefault(key, {})
+            over[pid] = over.get(pid, 0.0) + seconds - self.tolerance * near
+            if near == 0.0:
+                ungranted.add(key)
+        return starts, used, past, ungranted
 
     def _audit(self, gpu: int, key: Key, grants: GrantHistory, state: _Gpu, begin: float,
                now: float, suspect: Callable[[int], bool], over: bool) -> None:
