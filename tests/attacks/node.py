@@ -584,3 +584,24 @@ def built_node(tree: Path, rootfs: Path, context_mem: str = "0") -> Iterator[Nod
             reset_tree(tree)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bench_site(prefix: str) -> Iterator[tuple[Path, Path, Path]]:
+    """For a benchmark of runc containers: a world-traversable folder, a root
+    filesystem with the attack program and sharework, and one mounted tree (1 GPU);
+    yields (folder, rootfs, tree root), and removes them all after use."""
+    from tests.conftest import MountedTree
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        folder.chmod(0o755)
+        rootfs = folder / "rootfs"
+        make_rootfs(rootfs, [build_attacker(folder), SHAREWORK])
+        tree = MountedTree(folder / "tree" / "cgpu_km", 1)
+        try:
+            yield folder, rootfs, tree.root
+        finally:
+            tree.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -21,15 +21,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.attacks.node import Node, ShareJob, build_attacker, built_node, make_rootfs, missing
-from tests.conftest import MountedTree
-from tests.daemon.simbox import SHAREWORK
+from tests.attacks.node import Node, ShareJob, bench_site, built_node, missing
 
 REPO = Path(__file__).resolve().parents[2]
 US = 1000
@@ -112,13 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"attacks skipped: {why}\n")
         return 0
-    folder = Path(tempfile.mkdtemp(prefix="cgpu-bench-attacks-"))
-    try:
-        folder.chmod(0o755)
-        rootfs = folder / "rootfs"
-        make_rootfs(rootfs, [build_attacker(folder), SHAREWORK])
+    with bench_site("cgpu-bench-attacks-") as (folder, rootfs, tree):
         library = build_rawlaunch(folder)
-        tree = MountedTree(folder / "tree" / "cgpu_km", 1)
         print(f"Attacks: container a (an honest workload and an attacker that launches past "
               f"the gate) against b, policy 1, 1 ms kernels, {args.seconds:g} s; what a got "
               f"(1 - b's GPU time, counted in b's kernels); NVML reads 0.7 of what ran "
@@ -128,25 +120,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(head)
         print("-" * len(head))
         worst = 0.0
-        try:
-            for attack in ATTACKS:
-                got: dict[str, tuple[float, float | None, int]] = {}
-                for mode, extra in (("report", ("--on-bypass", "report")), ("stop", ())):
-                    with built_node(tree.root, rootfs) as node:
-                        node.sim.env["SIMGPU_NVML_PROC_BIAS"] = "0.7"
-                        node.start_daemon(*extra)
-                        got[mode] = run(node, attack, library, args.seconds)
-                share, gone, judged = got["stop"]
-                worst = max(worst, share - attack.allowed)
-                at = f"{gone:.1f} s" if gone is not None else "-"
-                print(f"{attack.name:<36} | {attack.allowed:>7.2f} | {got['report'][0]:>8.3f} | "
-                      f"{share:>7.3f} {at:>7} {judged:>6}", flush=True)
-        finally:
-            tree.stop()
+        for attack in ATTACKS:
+            got: dict[str, tuple[float, float | None, int]] = {}
+            for mode, extra in (("report", ("--on-bypass", "report")), ("stop", ())):
+                with built_node(tree, rootfs) as node:
+                    node.sim.env["SIMGPU_NVML_PROC_BIAS"] = "0.7"
+                    node.start_daemon(*extra)
+                    got[mode] = run(node, attack, library, args.seconds)
+            share, gone, judged = got["stop"]
+            worst = max(worst, share - attack.allowed)
+            at = f"{gone:.1f} s" if gone is not None else "-"
+            print(f"{attack.name:<36} | {attack.allowed:>7.2f} | {got['report'][0]:>8.3f} | "
+                  f"{share:>7.3f} {at:>7} {judged:>6}", flush=True)
         ok = "ok" if worst <= MARGIN else "MISSED"
         print(f"worst: {worst:+.3f} over the allowance (target: at most +{MARGIN:g}) {ok}\n")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

@@ -31,7 +31,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,14 +38,12 @@ from pathlib import Path
 
 from tests.attacks.node import (
     Node,
-    build_attacker,
+    bench_site,
     built_node,
-    make_rootfs,
     missing,
     wait_for,
 )
-from tests.conftest import MountedTree
-from tests.daemon.simbox import SHAREWORK, SIMGPU
+from tests.daemon.simbox import SIMGPU
 
 REPO = Path(__file__).resolve().parents[2]
 VFORKER_C = REPO / "tests" / "attacks" / "vforker.c"
@@ -216,40 +213,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"stops skipped: {why}\n")
         return 0
-    folder = Path(tempfile.mkdtemp(prefix="cgpu-bench-stops-"))
-    try:
-        folder.chmod(0o755)
-        rootfs = folder / "rootfs"
-        make_rootfs(rootfs, [build_attacker(folder), SHAREWORK])
+    with bench_site("cgpu-bench-stops-") as (folder, rootfs, tree):
         vforker = build_vforker(folder)
-        tree = MountedTree(folder / "tree" / "cgpu_km", 1)
-        try:
-            with built_node(tree.root, rootfs) as node:
-                node.start_daemon()
-                print(f"Stops: {args.stops} processes of one container stopped at once, by "
-                      "route; seconds from the daemon's detection (the memory round that "
-                      "found them), from its journal; OOM scripts run 4 at a time, 5 s "
-                      "deadline")
-                head = (f"{'route':<30} | {'stops':>5} | {'to gone':>7} {'max':>7} | "
-                        f"{'frozen':>7} {'max':>7} | script")
-                print(head)
-                print("-" * len(head))
-                for route in ROUTES:
-                    began = time.monotonic()
-                    found = run_route(node, route, args.stops, vforker)
-                    took = time.monotonic() - began
-                    gone = [s.gone for s in found]
-                    frozen = [f for s in found if (f := s.frozen_for) is not None]
-                    outcomes = sorted({s.script_outcome for s in found if s.script_outcome})
-                    print(f"{route.name:<30} | {len(found):>5} | {spread(gone)} | "
-                          f"{spread(frozen)} | {'; '.join(outcomes) or '-'} "
-                          f"(the route took {took:.0f} s)", flush=True)
-                print("(to gone: detection to the process seen exited; frozen: the freeze "
-                      "to the SIGKILL; median and max)\n")
-        finally:
-            tree.stop()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        with built_node(tree, rootfs) as node:
+            node.start_daemon()
+            print(f"Stops: {args.stops} processes of one container stopped at once, by "
+                  "route; seconds from the daemon's detection (the memory round that "
+                  "found them), from its journal; OOM scripts run 4 at a time, 5 s "
+                  "deadline")
+            head = (f"{'route':<30} | {'stops':>5} | {'to gone':>7} {'max':>7} | "
+                    f"{'frozen':>7} {'max':>7} | script")
+            print(head)
+            print("-" * len(head))
+            for route in ROUTES:
+                began = time.monotonic()
+                found = run_route(node, route, args.stops, vforker)
+                took = time.monotonic() - began
+                gone = [s.gone for s in found]
+                frozen = [f for s in found if (f := s.frozen_for) is not None]
+                outcomes = sorted({s.script_outcome for s in found if s.script_outcome})
+                print(f"{route.name:<30} | {len(found):>5} | {spread(gone)} | "
+                      f"{spread(frozen)} | {'; '.join(outcomes) or '-'} "
+                      f"(the route took {took:.0f} s)", flush=True)
+            print("(to gone: detection to the process seen exited; frozen: the freeze "
+                  "to the SIGKILL; median and max)\n")
     return 0
 
 
