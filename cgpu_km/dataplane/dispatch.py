@@ -44,7 +44,7 @@ from cgpu_km.sched import (
     SliceDecision,
     SliceScheduler,
 )
-from cgpu_km.sched.grants import EVERYONE, GrantHistory, GrantLog
+from cgpu_km.sched.grants import EVERYONE, SETTLE, GrantHistory, GrantLog
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -144,6 +144,10 @@ class Dispatcher:
         # The containers whose gates hold: their regions stamped by a heartbeat (a
         # gate fails open until then) and the scheduler configured with them.
         self._stamped: frozenset[str] = frozenset()
+        # Launches counted at the last step, and the containers whose armed gate let
+        # work through since, until when that work may still run.
+        self._launches: dict[str, int] = {}
+        self._passed: dict[str, float] = {}
         self.error: BaseException | None = None
 
     @property
@@ -201,10 +205,9 @@ class Dispatcher:
             native = self._scheduler.config.policy is Policy.NATIVE
             holder = frozenset((decision.holder,)) if decision.holder is not None else frozenset()
             driven = self._stamped & observed.keys() & self._scheduler.config.containers.keys()
-            # An armed gate is no grant: a launch through it rings, and the next step
-            # grants the container (or closes its gate) a round trip later.
             self._grants.record(now / 1e9, EVERYONE if native else
-                                decision.open | late | holder, driven=driven)
+                                decision.open | late | holder | self._armed_work(
+                                    before, observed, now / 1e9), driven=driven)
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed)
@@ -220,6 +223,22 @@ class Dispatcher:
         `length` seconds, as soon as it waits while another holds the GPU."""
         with self._lock:
             self._audit_wanted[name] = (length, why)
+
+    def _armed_work(self, before: SliceDecision | None, observed: Mapping[str, Observation],
+                    now: float) -> frozenset[str]:
+        """Those whose armed gate let a launch through since the last step, for as
+        long as that work may run (SETTLE): an armed gate is no grant (a container
+        that never waits at its gate stays armed without ever being granted), but
+        what passed it runs whether the step after grants the container or closes
+        its gate (under the lock)."""
+        armed = before.armed if before is not None else frozenset()
+        for name in armed:
+            seen = observed.get(name)
+            if seen is not None and seen.launches != self._launches.get(name, seen.launches):
+                self._passed[name] = now + SETTLE
+        self._launches = {name: seen.launches for name, seen in observed.items()}
+        self._passed = {name: until for name, until in self._passed.items() if until > now}
+        return frozenset(self._passed)
 
     def _audit(self, now: float, observed: Mapping[str, Observation]) -> None:
         """Bar one container that an audit was asked for, if it waits while another

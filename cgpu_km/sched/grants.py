@@ -6,7 +6,8 @@ closed (its drain answer not seen yet), and while it is late (cut, or handed
 over from): every span the scheduler charges it for, or knows it runs beside
 the holder. An armed gate lets a launch through, which rings: the next step
 grants the container or closes the gate, a round trip later; so a container
-that never waits at its gate stays armed without ever being granted.
+that never waits at its gate stays armed without ever being granted, and
+one may run for SETTLE after a launch went through its armed gate.
 
 The dispatcher records the set at every step that changes it
 (`GrantLog.record`), and marks itself alive at every step and heartbeat

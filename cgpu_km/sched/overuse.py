@@ -60,7 +60,7 @@ __all__ = ["DEFAULT_PERIOD", "Judge", "Sample", "Verdict"]
 Key = tuple[int, str]  # a container on a GPU, as cgpu_km.tree.views names it
 DEFAULT_PERIOD = 1 / 6  # the shortest sample period NVML documents (the longest: 1 s)
 MIN_PERIOD, MAX_PERIOD = 0.02, 1.0
-SUSPECT_FOR = 0.5  # a process suspected this long is audited
+SUSPECT_FOR = 0.25  # a process suspected this long is audited
 
 
 @dataclass(frozen=True)
