@@ -12,7 +12,7 @@ found the driver's entry points taken by someone else.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cgpu_km.dataplane import kernelview
@@ -58,7 +58,8 @@ class UsageReader:
 
     def read(self, grants_of: Callable[[], Mapping[int, GrantHistory]]) -> UsageView:
         """The samples since the last read, then the grants (`grants_of`), which
-        must cover them."""
+        must cover them. The kernel and the regions are asked only about the
+        containers that have samples (most of them, most of the time, have none)."""
         # Samples may be published a little out of order: ask again for the last
         # second's, and keep only those not read before.
         since = {gpu: max(0, seen - 1_000_000) for gpu, seen in self._last_seen.items()}
@@ -66,48 +67,61 @@ class UsageReader:
         now = time.monotonic()
         offset = time.time() - now  # NVML dates samples by the wall clock, in microseconds
         grants = grants_of()
-        keys = self.registry.keys()
-        owners = kernelview.OwnerIndex(
-            {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None},
-            self.attribution.host, self.attribution.proc)
-        slots = self._slots(keys, now)
-        gpus: dict[int, GpuUsage] = {}
-        for gpu, history in grants.items():
-            read = self._read.setdefault(gpu, set())
-            fresh = [(pid, stamp, percent) for pid, stamp, percent in found.get(gpu, ())
-                     if (pid, stamp) not in read]
-            if fresh:
-                self._last_seen[gpu] = max(self._last_seen.get(gpu, 0),
-                                           *(stamp for _pid, stamp, _ in fresh))
-            read.update((pid, stamp) for pid, stamp, _ in fresh)
-            newest = self._last_seen.get(gpu, 0)
-            self._read[gpu] = {(pid, stamp) for pid, stamp in read
-                               if stamp > newest - 2_000_000}
-            samples = []
-            for pid, stamp, percent in fresh:
-                info = self.attribution.known_info(pid)
-                name = owners.find(info) if info is not None else None
-                key = (gpu, name or "")
-                if info is None or name is None or key not in keys:
-                    continue
-                samples.append(Sample(key, pid, stamp / 1e6 - offset, percent))
-                identity = (info.pidns, info.inner_pid, info.start_time)
+        fresh = {gpu: self._fresh(gpu, found.get(gpu, ())) for gpu in grants}
+        samples: dict[int, list[Sample]] = {gpu: [] for gpu in grants}
+        if any(fresh.values()):
+            keys = self.registry.keys()
+            owners = kernelview.OwnerIndex(
+                {entry.name: entry.owner for entry, _k in keys.values()
+                 if entry.owner is not None},
+                self.attribution.host, self.attribution.proc)
+            attributed: list[tuple[Key, int, Identity]] = []
+            for gpu, rows in fresh.items():
+                for pid, stamp, percent in rows:
+                    info = self.attribution.known_info(pid)
+                    name = owners.find(info) if info is not None else None
+                    key = (gpu, name or "")
+                    if info is None or name is None or key not in keys:
+                        continue
+                    samples[gpu].append(Sample(key, pid, stamp / 1e6 - offset, percent))
+                    attributed.append((key, pid, (info.pidns, info.inner_pid,
+                                                  info.start_time)))
+            slots = self._slots({key: keys[key] for key, _pid, _id in attributed}, now)
+            for key, pid, identity in attributed:
                 if (key, identity) in slots:
                     self._known[key, pid] = (*slots[key, identity], now)
-            known = {found: seen for found, seen in self._known.items() if found[0][0] == gpu}
-            gpus[gpu] = GpuUsage(
-                samples, history, {found: at for found, (at, _h, _t) in known.items()},
-                frozenset(found for found, (_at, flagged, _t) in known.items() if flagged))
         self._known = {found: seen for found, seen in self._known.items()
                        if now - seen[2] < KNOWN_FOR}
+        gpus: dict[int, GpuUsage] = {}
+        for gpu, history in grants.items():
+            known = {found: seen for found, seen in self._known.items() if found[0][0] == gpu}
+            gpus[gpu] = GpuUsage(
+                samples[gpu], history, {found: at for found, (at, _h, _t) in known.items()},
+                frozenset(found for found, (_at, flagged, _t) in known.items() if flagged))
         return UsageView(now, gpus)
+
+    def _fresh(self, gpu: int, rows: Sequence[tuple[int, int, int]]
+               ) -> list[tuple[int, int, int]]:
+        """The (pid, timestamp, percent) samples of `gpu` not read before."""
+        read = self._read.setdefault(gpu, set())
+        fresh = [(pid, stamp, percent) for pid, stamp, percent in rows
+                 if (pid, stamp) not in read]
+        if fresh:
+            self._last_seen[gpu] = max(self._last_seen.get(gpu, 0),
+                                       *(stamp for _pid, stamp, _ in fresh))
+            read.update((pid, stamp) for pid, stamp, _ in fresh)
+            newest = self._last_seen[gpu]
+            self._read[gpu] = {(pid, stamp) for pid, stamp in read
+                               if stamp > newest - 2_000_000}
+        return fresh
 
     def _slots(self, keys: Mapping[Key, tuple[Attached, int]], now: float
                ) -> dict[tuple[Key, Identity], tuple[float | None, bool]]:
         """Per live slot: when its gate launches last grew (None: it has launched
         none), and whether its libcgpu flagged the driver's entry points."""
         found: dict[tuple[Key, Identity], tuple[float | None, bool]] = {}
-        counts: dict[tuple[Key, Identity], tuple[int, float]] = {}
+        counts = {known: counted for known, counted in self._launches.items()
+                  if now - counted[1] < KNOWN_FOR}
         for key, (entry, k) in keys.items():
             region = entry.region
             if not region.live_slots():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import itertools
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
@@ -54,6 +53,10 @@ class GrantHistory:
     marks: tuple[Mark, ...]
     blind: tuple[tuple[float, float], ...] = ()
     driven: Mapping[str, float] = field(default_factory=dict)  # since when, by name
+    times: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "times", tuple(t for t, _ in self.marks))
 
     def allowed(self, name: str, begin: float, end: float) -> float | None:
         """Seconds of [begin, end] in which `name` might run; None when that span
@@ -66,8 +69,7 @@ class GrantHistory:
             return None
         if any(a < end and begin < b for a, b in self.blind):
             return None
-        times = [t for t, _ in self.marks]
-        first = max(bisect.bisect_right(times, begin) - 1, 0)
+        first = max(bisect.bisect_right(self.times, begin) - 1, 0)
         total = 0.0
         for index in range(first, len(self.marks)):
             at, who = self.marks[index]
@@ -93,26 +95,39 @@ class GrantHistory:
     def quiet(self, name: str, begin: float, end: float) -> list[tuple[float, float]]:
         """The spans within [begin, end] in which `name` surely could not run
         (known spans only: a blind span or EVERYONE ends a quiet one)."""
+        known = self.known_from(name)
+        if known is None:
+            return []
+        begin = max(begin, known)
         spans: list[tuple[float, float]] = []
         start: float | None = None
-        edges = sorted({begin, end, *(t for t, _ in self.marks if begin < t < end),
-                        *(t for span in self.blind for t in span if begin < t < end)})
-        for left, right in itertools.pairwise(edges):
-            if self.allowed(name, left, right) == 0.0:
-                start = left if start is None else start
+        for index in range(max(bisect.bisect_right(self.times, begin) - 1, 0),
+                           len(self.marks)):
+            at, who = self.marks[index]
+            if at >= end:
+                break
+            until = self.times[index + 1] if index + 1 < len(self.times) else end
+            left, right = max(at, begin), min(until, end)
+            if right <= left:
                 continue
-            if start is not None:
+            if who is not EVERYONE and name not in who:
+                start = left if start is None else start
+            elif start is not None:
                 spans.append((start, left))
                 start = None
         if start is not None:
-            spans.append((start, edges[-1]))
+            spans.append((start, end))
+        for a, b in self.blind:  # what may have failed open is not quiet
+            spans = [piece for left, right in spans
+                     for piece in ((left, min(right, a)), (max(left, b), right))
+                     if piece[1] > piece[0]]
         return spans
 
 
 class GrantLog:
     """The dispatcher's record of who may run, kept for `horizon` seconds."""
 
-    def __init__(self, start: float, horizon: float = 30.0) -> None:
+    def __init__(self, start: float, horizon: float = 8.0) -> None:
         self.start = start
         self.horizon = horizon
         self._marks: collections.deque[Mark] = collections.deque([(start, frozenset())])

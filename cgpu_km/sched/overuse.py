@@ -257,42 +257,28 @@ class Judge:
 
     def _audit(self, gpu: int, key: Key, grants: GrantHistory, state: _Gpu, begin: float,
                now: float, suspect: Callable[[int], bool], over: bool) -> None:
-        """Note an audit `key` passed (a quiet span long enough, covered by samples
-        that came, and nothing judged), and whether it wants another (`over`:
-        over its grants, but every process of it launched through the gate)."""
+        """Whether `key` wants an audit (`over`: over its grants, but every process
+        of it launched through the gate), unless it passed one since: a quiet
+        span long enough, covered by samples that came, and nothing judged."""
         audited = self._audited.get(key)
         if audited is None:
             audited = self._audited[key] = _Audited(passed_at=now, first=now)
         if not state.spacings:
             return  # no period known yet: an audit would have to be a second long
         length = self.audit_length(gpu)
-        since = max(audited.passed_at, begin - length)
         arrived = now - self.periods(gpu)[1]
-        for start, stop in reversed(grants.quiet(key[1], since, arrived)):
-            if stop - start >= length:
-                audited.passed_at = stop
-                audited.pids = {s.pid for s in state.samples if s.key == key and s.end <= stop}
-                audited.floor = None
-                break
         ratio = self._ratio(key, grants, state, arrived, audited)
-        busy = ratio is not None
-        ran = {s.pid for s in state.samples if s.key == key and s.end > begin}
-        # Suspects an audit has not seen, suspected for a while (a process that has
-        # only just started may have run before its first launch was counted).
-        suspects = {pid for pid in ran - audited.pids if suspect(pid)}
-        audited.suspected = {pid: audited.suspected.get(pid, now) for pid in suspects}
-        unseen = {pid for pid, since in audited.suspected.items()
-                  if now - since >= SUSPECT_FOR}
-        why = None
-        if over:
-            why = "over its grants, every process of it launching through the gate"
-        elif unseen:
-            why = f"pid {min(unseen)} ran on the GPU but launched nothing through the gate"
-        elif ratio is not None and audited.floor is not None and audited.floor >= 0.1 and (
-                ratio > self.rise * audited.floor + 0.1):
-            why = f"its samples rose from {audited.floor:.2f} to {ratio:.2f} of its grants"
-        elif busy and now - audited.passed_at > self.audit_every:
-            why = f"none for {self.audit_every:g} s"
+        why = self._why(key, state, begin, now, suspect, over, ratio, audited)
+        if why is not None:  # a sign: did it pass an audit (or rest) since?
+            since = max(audited.passed_at, begin - length)
+            for start, stop in reversed(grants.quiet(key[1], since, arrived)):
+                if stop - start >= length:
+                    audited.passed_at = stop
+                    audited.pids = {s.pid for s in state.samples
+                                    if s.key == key and s.end <= stop}
+                    audited.floor = None
+                    why = self._why(key, state, begin, now, suspect, over, ratio, audited)
+                    break
         if ratio is not None:
             audited.floor = ratio if audited.floor is None else min(audited.floor, ratio)
         # An audit asked for is under way, or not yet seen whole by the samples.
@@ -300,6 +286,28 @@ class Judge:
         if why is not None and now - audited.asked_at > waiting_for:
             audited.asked_at = now
             self._wanted[gpu][key] = why
+
+    def _why(self, key: Key, state: _Gpu, begin: float, now: float,
+             suspect: Callable[[int], bool], over: bool, ratio: float | None,
+             audited: _Audited) -> str | None:
+        """The sign that `key` wants an audit, if any (see the module's docstring)."""
+        ran = {s.pid for s in state.samples if s.key == key and s.end > begin}
+        # Suspects an audit has not seen, suspected for a while (a process that has
+        # only just started may have run before its first launch was counted).
+        suspects = {pid for pid in ran - audited.pids if suspect(pid)}
+        audited.suspected = {pid: audited.suspected.get(pid, now) for pid in suspects}
+        unseen = {pid for pid, since in audited.suspected.items()
+                  if now - since >= SUSPECT_FOR}
+        if over:
+            return "over its grants, every process of it launching through the gate"
+        if unseen:
+            return f"pid {min(unseen)} ran on the GPU but launched nothing through the gate"
+        if ratio is not None and audited.floor is not None and audited.floor >= 0.1 and (
+                ratio > self.rise * audited.floor + 0.1):
+            return f"its samples rose from {audited.floor:.2f} to {ratio:.2f} of its grants"
+        if ratio is not None and now - audited.passed_at > self.audit_every:
+            return f"none for {self.audit_every:g} s"
+        return None
 
     def _ratio(self, key: Key, grants: GrantHistory, state: _Gpu, arrived: float,
                audited: _Audited) -> float | None:

@@ -23,7 +23,7 @@ A, B = (GPU, "a"), (GPU, "b")
 
 def driving(*names: str) -> GrantLog:
     """A dispatcher's log that has driven these containers' gates for SETTLE at 0."""
-    log = GrantLog(-SETTLE)
+    log = GrantLog(-SETTLE, horizon=60.0)
     log.record(-SETTLE, set(), driven=set(names))
     for beat in range(math.ceil(SETTLE / 0.5) + 1):  # the heartbeat, every 0.5 s
         log.alive(-SETTLE + 0.5 * beat)
