@@ -216,16 +216,24 @@ class Proc:
         return self.popen.poll() is None
 
     def close(self) -> None:
-        if self.popen.poll() is None:
+        """Kill the process and its `runc exec`, and reap `runc exec` for at most 10 s.
+
+        Each is killed whether or not the other is gone: the process may have
+        died under a test while `runc exec` still runs. Nothing reads the pipes
+        to their end, for a child that `runc exec` forked (a vfork child among
+        them) may hold them open past its exit; `runc delete --force` ends
+        whatever is left of the container."""
+        if self.host_pid and host_pid(self.pidns, self.pid) == self.host_pid:
             with contextlib.suppress(ProcessLookupError):
-                if self.host_pid:
-                    os.kill(self.host_pid, signal.SIGKILL)
-                self.popen.kill()
+                os.kill(self.host_pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.kill()
         for pipe in (self.popen.stdin, self.popen.stdout):
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
-        self.popen.wait(timeout=30)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=10)
 
 
 @dataclass
