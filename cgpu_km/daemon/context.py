@@ -94,8 +94,11 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class ContainerView:
-    """One container's nodes as the daemon uses them."""
+class KnownContainer:
+    """What the daemon knows of one container: its id, memory limit and compute.
+
+    (Not `cgpu_km.tree.client.ContainerView`, which is all of a container's
+    nodes as `cgpu-smi` reads them.)"""
 
     id: int
     memsize: int  # bytes, 0: the whole device
@@ -107,7 +110,7 @@ class DaemonView:
     """What the daemon knows of the tree (merged from quick polls and full reads)."""
 
     nodes: dict[int, GpuNodes] = field(default_factory=dict)
-    containers: dict[Key, ContainerView] = field(default_factory=dict)
+    containers: dict[Key, KnownContainer] = field(default_factory=dict)
 
     def config(self, gpu: int) -> GpuConfig:
         nodes = self.nodes[gpu]

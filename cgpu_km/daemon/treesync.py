@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from cgpu_km.daemon.context import ContainerView, DaemonView, Limits, Settings, Ticks, Worker
+from cgpu_km.daemon.context import DaemonView, KnownContainer, Limits, Settings, Ticks, Worker
 from cgpu_km.daemon.edges import Plane, Tree, Watcher
 from cgpu_km.sched import ContainerSpec, Policy
 from cgpu_km.tree.views import LOST, ContainerNodes, Key, QuickView
@@ -140,7 +140,7 @@ class TreeSync:
         if not keys:
             return
         for key, nodes in (await self.worker(read)).items():
-            self.view.containers[key] = ContainerView(
+            self.view.containers[key] = KnownContainer(
                 id=nodes.id, memsize=nodes.memsize, spec=ContainerSpec(
                     weight=nodes.weight, highprio=bool(nodes.highprio),
                     util_limit=nodes.util_limit))

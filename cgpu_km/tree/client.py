@@ -63,6 +63,8 @@ def parse_meminfo(text: str) -> tuple[int, dict[int, int]]:
 
 @dataclass
 class ContainerView:
+    """All of one container's nodes, as `cgpu-smi` shows them."""
+
     name: str
     id: int
     memsize: int
