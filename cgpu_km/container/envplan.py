@@ -6,7 +6,8 @@ eGPU reserve, the list rules, and the compute variables. `resolve_plan` either
 returns a `Plan` or raises `PlanError` whose message is one line naming the
 variable and the reason. Nothing here does I/O.
 
-Choices where docs/design.md is silent (also documented in README.md):
+Choices the cGPU and eGPU documents leave open, which docs/design.md states
+(the departures from those documents are listed there too):
 - Visible devices: when both variables are unset or empty the container gets
   every GPU of the host; `none` and `void` (the NVIDIA runtime's words for
   "no GPU") give it no GPU, so nothing is registered (`enabled` is false).
