@@ -735,6 +735,7 @@ enum cgpu_pass cgpu_gate_wait(int g)
     struct cgpu_proc *me = cgpu_slot();
     const uint32_t *gate = &r->gpu[g].gate;
     uint64_t t0 = cgpu_now_ns();
+    uint64_t wake = 0; /* when the last timed wait was to end; 0 = none yet */
     int counted = 0;
     enum cgpu_pass pass = CGPU_PASS_OPENED;
     for (;;) {
@@ -753,11 +754,19 @@ enum cgpu_pass cgpu_gate_wait(int g)
         uint64_t age = now > hb ? now - hb : 0;
         if (hb == 0 || age >= timeout) {
             pass = CGPU_PASS_FAILED_OPEN; /* the daemon is gone */
+            if (wake != 0 && me != NULL) {
+                /* what it judged, for the tests and views: the figures, then when */
+                __atomic_store_n(&me->gpu[g].stale_heartbeat_ns, hb, __ATOMIC_RELAXED);
+                __atomic_store_n(&me->gpu[g].gate_wake_ns, wake, __ATOMIC_RELAXED);
+                __atomic_store_n(&me->gpu[g].failed_open_ns, now, __ATOMIC_RELEASE);
+            }
             break;
         }
+        /* until the heartbeat is stale, re-checking it at least every 100 ms */
         uint64_t wait = timeout - age;
         if (wait > GATE_MAX_SLEEP_NS)
             wait = GATE_MAX_SLEEP_NS;
+        wake = now + wait;
         if (!counted && me != NULL) {
             /* the first waiter of this process tells the daemon it wants the GPU */
             if (__atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_SEQ_CST) == 0)

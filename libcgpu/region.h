@@ -182,7 +182,11 @@ struct cgpu_proc_gpu {
     uint64_t drained_ns;     /* when the work it queued before that close had finished */
     uint32_t watching;       /* 1 while its watcher answers closes of this GPU */
     uint32_t reserved32;
-    uint64_t reserved[4];
+    /* The last launch that waited at the closed gate until the heartbeat was stale: */
+    uint64_t stale_heartbeat_ns; /* the heartbeat it judged stale (0: no daemon) */
+    uint64_t gate_wake_ns;   /* when its last timed wait was to end (by stale + timeout) */
+    uint64_t failed_open_ns; /* when it went on, written last; 0 = no launch did */
+    uint64_t reserved[1];
 };
 
 /* One process of the container. 64-byte header + one line per GPU. */

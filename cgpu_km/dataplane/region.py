@@ -145,7 +145,10 @@ class ProcGpu(ctypes.Structure):
         ("drained_ns", ctypes.c_uint64),
         ("watching", ctypes.c_uint32),
         ("reserved32", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint64 * 4),
+        ("stale_heartbeat_ns", ctypes.c_uint64),
+        ("gate_wake_ns", ctypes.c_uint64),
+        ("failed_open_ns", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 1),
     )
 
 
@@ -239,6 +242,23 @@ class Activity:
     launches: int
     pending: int
     gate_wait_ns: int
+
+
+@dataclass(frozen=True)
+class FailedOpen:
+    """A launch that waited at a closed gate until the daemon's heartbeat was
+    stale, then went on, as its process recorded it: the heartbeat it judged
+    stale (0: no daemon), when its last timed wait was to end, and when it went
+    on (CLOCK_MONOTONIC nanoseconds)."""
+
+    heartbeat_ns: int
+    wake_ns: int
+    at_ns: int
+
+    @property
+    def age_ns(self) -> int:
+        """How old the heartbeat was when the launch went on."""
+        return self.at_ns - self.heartbeat_ns
 
 
 @dataclass(frozen=True)
@@ -712,6 +732,15 @@ class Region:
             pending=sum(p.pending[k] for p in procs),
             gate_wait_ns=sum(p.gate_wait_ns[k] for p in procs),
         )
+
+    def failed_open(self, k: int) -> FailedOpen | None:
+        """The latest launch on GPU k that failed open after waiting, over the
+        live slots (untrusted, like all they say), or None."""
+        self._gpu(k)
+        lines = [self._account.proc[i].gpu[k] for i in self.live_slots()]
+        found = [FailedOpen(int(line.stale_heartbeat_ns), int(line.gate_wake_ns), at)
+                 for line in lines if (at := int(line.failed_open_ns))]
+        return max(found, key=lambda record: record.at_ns, default=None)
 
     def reclaim(self, is_alive: Callable[[ProcView], bool]) -> list[int]:
         """Zero the slots whose process `is_alive` says is gone; returns their pids.

@@ -117,6 +117,7 @@ def test_without_a_live_daemon_launches_go_through(sandbox: Sandbox, heartbeat: 
     started = time.monotonic()
     result = sandbox.workload("launch", "3", "sleep_0", timeout=10)
     assert result.stdout == "launch 3 rc=0\n"
+    assert region.failed_open(0) is None, "a launch waited at a dead daemon's gate"
     print(f"3 launches through a dead daemon's gate in {time.monotonic() - started:.2f} s")
 
 
@@ -143,12 +144,22 @@ def test_gate_fails_open_when_the_daemon_stops(sandbox: Sandbox) -> None:
         time.sleep(0.01)
     wait_parked(proc)
     assert proc.poll() is None, "a fresh heartbeat keeps the gate closed"
-    stopped = time.monotonic()
+    assert region.failed_open(0) is None
     sandbox.stop_heartbeat()
     out, _ = proc.communicate(timeout=10)
     assert out.endswith("launch 1 rc=0\n")
-    print(f"the gate failed open {time.monotonic() - stopped:.2f} s after the heartbeat "
-          "stopped (gate timeout 0.4 s)")
+    # What the launch recorded as it went on: the last heartbeat, judged stale once it
+    # was the gate timeout old, and a last timed wait that was to end by then (not a
+    # poll that overslept the deadline).
+    record = region.failed_open(0)
+    assert record is not None, "the launch went on without recording it"
+    deadline = record.heartbeat_ns + region.gate_timeout_ns
+    assert record.heartbeat_ns == region.heartbeat_ns
+    assert record.age_ns >= region.gate_timeout_ns, record
+    assert 0 < record.wake_ns <= deadline, record
+    print(f"the gate failed open {record.age_ns / 1e9:.3f} s after the last heartbeat "
+          f"(gate timeout 0.4 s; its last wait was to end {(deadline - record.wake_ns) / 1e6:.1f}"
+          " ms before that)")
 
 
 def test_no_heartbeat_releases_at_a_recheck(sandbox: Sandbox) -> None:
@@ -163,6 +174,9 @@ def test_no_heartbeat_releases_at_a_recheck(sandbox: Sandbox) -> None:
     out, _ = proc.communicate(timeout=10)
     # Released before communicate's 10 s guard: by the recheck, not the 60 s timeout.
     assert out.endswith("launch 1 rc=0\n")
+    record = region.failed_open(0)
+    assert record is not None
+    assert record.heartbeat_ns == 0, record
     print(f"released {time.monotonic() - released:.2f} s after the heartbeat went to 0")
 
 
