@@ -33,10 +33,11 @@ class Kind(enum.Enum):
     MEMINFO = "meminfo"  # the per-process memory report
 
 
-# Modes of the contract (docs/design.md): 0644 for rw, 0444 for r, 0200 for inst_ctl.
+# Modes of the contract (docs/design.md): 0644 for rw, 0444 for r, 0600 for inst_ctl
+# (root only, either way: a read is its usage line).
 RW = 0o644
 RO = 0o444
-WO = 0o200
+CTL = 0o600
 
 # A maximum that is not a constant but the GPU's current `max_inst`.
 MAX_INST = -1
@@ -67,7 +68,7 @@ NODES: tuple[Node, ...] = (
         "bytes given to a container added without `memsize=`; `0` means the whole device",
     ),
     Node(
-        "inst_ctl", Level.ROOT, WO, Kind.COMMAND,
+        "inst_ctl", Level.ROOT, CTL, Kind.COMMAND,
         doc="the command channel (add, del, meminfo); a read prints one usage line",
     ),
     Node(

@@ -224,6 +224,8 @@ class PlainTree:
         self._watch("")
         self.render()
         temporary = self._stage()
+        # Write-only, unlike the node's 0600: a read of the FIFO would take a
+        # command meant for this process, so there is no usage line to read.
         os.mkfifo(temporary, 0o200)
         # O_RDWR: the FIFO always has a writer (us), so reads never see EOF and
         # writers' opens never block while we serve.

@@ -84,7 +84,7 @@ case "$version" in
 esac
 check_mode version -r--r--r--
 check_mode default_memsize -rw-r--r--
-check_mode inst_ctl --w-------
+check_mode inst_ctl -rw-------
 check_mode upgrade -rw-r--r--
 check_read default_memsize 0
 check_read upgrade 0

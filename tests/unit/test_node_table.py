@@ -36,7 +36,7 @@ def test_doc_table_row_shows_range_initial_and_doc() -> None:
     rows = doctable.render().splitlines()
     assert "| `<gpu>/max_inst` | rw | `1`..`25` | `16` | most containers" in "\n".join(rows)
     assert "| `<gpu>/<ctr>/weight` | rw | `0`..`max_inst` | `1` |" in "\n".join(rows)
-    assert "| `inst_ctl` | w |  |  | the command channel" in "\n".join(rows)
+    assert "| `inst_ctl` | rw |  |  | the command channel" in "\n".join(rows)
 
 
 def test_module_parameters_take_their_descriptions_from_the_table() -> None:
