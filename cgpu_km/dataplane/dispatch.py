@@ -109,6 +109,9 @@ class Figures:
     steps: int
     last_step: float  # time.monotonic() of the last step
     audits: Mapping[str, int] = field(default_factory=dict)  # quiet spans imposed, by container
+    # The last new configuration: the steps taken when `configure` was handed it,
+    # and the step that first ran with it.
+    configured: tuple[int, int] = (0, 0)
 
 
 def queue_budget(decision: SliceDecision, observed: Mapping[str, Observation],
@@ -138,6 +141,8 @@ class Dispatcher:
         self._steps = 0
         self._last_step = time.monotonic()
         self._configured = False  # since the last step
+        self._handed: tuple[int, GpuConfig] | None = None  # steps taken then, and it
+        self._applied = (0, 0)  # Figures.configured
         self._grants = GrantLog(clock() / 1e9)  # who may run when, for the compute check
         self._audits: dict[str, int] = {}
         self._audit_wanted: dict[str, tuple[float, str]] = {}  # name -> (length, why)
@@ -160,6 +165,7 @@ class Dispatcher:
             if config != self._scheduler.config:
                 self._scheduler.configure(config)
                 self._configured = True
+                self._handed = (self._steps, config)
         self.port.kick()
 
     def restore(self, state: Mapping[str, object]) -> None:
@@ -177,7 +183,7 @@ class Dispatcher:
                            shares=dict(decision.shares) if decision else {},
                            holder=decision.holder if decision else None,
                            steps=self._steps, last_step=self._last_step,
-                           audits=dict(self._audits))
+                           audits=dict(self._audits), configured=self._applied)
 
     def grants(self) -> GrantHistory:
         """Who might have run on the GPU when, as far as the dispatcher knows."""
@@ -196,9 +202,14 @@ class Dispatcher:
         with self._lock:
             before = self._decision
             self._audit(now / 1e9, observed)
+            config = self._scheduler.config
             decision = self._scheduler.step(now / 1e9, observed)
             self._decision = decision
             self._steps += 1
+            if self._handed is not None and self._handed[1] is config:
+                self._applied, self._handed = (self._handed[0], self._steps), None
+                log.info("GPU %d: a configuration handed over after step %d ran at step %d "
+                         "(policy %d)", self.gpu, *self._applied, config.policy)
             self._last_step = time.monotonic()
             self._configured = False
             late = self._scheduler.late

@@ -77,3 +77,39 @@ def test_the_heartbeat_stays_fresh_with_few_wakes(busy: set[str]) -> None:
     assert port.wakes <= 2 * 60 + 2, f"{port.wakes} wakes in 60 s"
     steps = port.launches  # one observation per step
     assert steps <= 60 + 2, f"{steps} steps in 60 s"
+
+
+class ReconfiguringPort(SimulatedPort):
+    """A SimulatedPort whose wait hands the dispatcher a new configuration once,
+    `at` seconds in, as the daemon's tree thread does while it sleeps."""
+
+    def __init__(self, config: GpuConfig, at: float) -> None:
+        super().__init__({"a"}, {"b"}, seconds=2 * at)
+        self.config, self.at = config, self.now + int(at * SECOND)
+        self.handed: int | None = None  # the steps (observations) taken then
+
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
+             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
+        ringer = super().wait(deadline_ns, quiet, holder, watch, answers_of)
+        if self.handed is None and self.now >= self.at:
+            assert self.dispatcher is not None
+            self.handed = self.launches
+            self.dispatcher.configure(self.config)
+        return ringer
+
+
+def test_a_configuration_runs_at_the_next_step() -> None:
+    # The promise "the daemon applies a change within one scheduling period", from
+    # the dispatcher's record: the step that first ran with a new configuration.
+    containers = {n: ContainerSpec(weight=1) for n in "ab"}
+    config = GpuConfig(policy=Policy.FAIR_SHARE, max_inst=4, containers=containers)
+    port = ReconfiguringPort(config, at=5)
+    port.dispatcher = Dispatcher(0, port, GpuConfig(Policy.SOFT, 4, containers=containers),
+                                 clock=lambda: port.now)
+    assert port.dispatcher.figures().configured == (0, 0)
+    port.dispatcher.run()
+    assert port.handed is not None
+    handed, ran = port.dispatcher.figures().configured
+    assert handed == port.handed
+    assert ran - handed == 1, "the next step runs a new configuration"
+    assert port.dispatcher.scheduler.config is config
