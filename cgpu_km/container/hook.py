@@ -1,13 +1,18 @@
 """`cgpu-hook`: the OCI hook that registers containers in the control tree.
 
     cgpu-hook [--root DIR] plan [--env KEY=VALUE ...]   print the plan as JSON
-    cgpu-hook [--root DIR] prestart                     OCI state on stdin
+    cgpu-hook [--root DIR] createRuntime                OCI state on stdin
+    cgpu-hook [--root DIR] prestart                     the same, for older runtimes
     cgpu-hook [--root DIR] poststop                     OCI state on stdin
 
-`prestart` resolves the container's environment (its bundle's config.json)
-into a plan (cgpu_km.container.envplan) and runs PRESTART_STEPS in order; each step
+`createRuntime` and `prestart` are one command under the names of the two
+OCI hooks that runtimes run at the same point: in the runtime's namespaces,
+once the container's namespaces exist and before its init's pivot_root
+(cgpu_km.container.oci.spec.start_stage picks one). It resolves the
+container's environment (its bundle's config.json) into a plan
+(cgpu_km.container.envplan) and runs PRESTART_STEPS in order; each step
 records how to undo what it did, and when a step fails everything done so
-far is undone, so a failed start leaves nothing behind. A second prestart of
+far is undone, so a failed start leaves nothing behind. A second start of
 the same container (started again without its poststop) replaces what the
 first registered (cgpu_km.container.claims). `poststop` runs POSTSTOP_STEPS, each
 idempotent, unless another container holds the id. Errors are one line on
@@ -39,7 +44,7 @@ from cgpu_km.container.envplan import (
     switch_mode,
 )
 from cgpu_km.container.inject import create_region, inject_data_plane, remove_data_plane
-from cgpu_km.container.oci.spec import env_map, gpu_device_nodes
+from cgpu_km.container.oci.spec import START_STAGES, env_map, gpu_device_nodes
 from cgpu_km.container.steps import (
     EXIT_BAD_VALUE,
     EXIT_FAILED,
@@ -333,9 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--env", action="append", metavar="KEY=VALUE",
                       help="resolve these pairs instead of this process's environment")
     plan.set_defaults(handler=cmd_plan)
-    commands.add_parser("prestart", parents=[common],
-                        help="register the container (OCI state on stdin)"
-                        ).set_defaults(handler=cmd_prestart)
+    for stage in START_STAGES:
+        commands.add_parser(stage, parents=[common],
+                            help="register the container (OCI state on stdin)"
+                            ).set_defaults(handler=cmd_prestart)
     commands.add_parser("poststop", parents=[common],
                         help="remove the container (OCI state on stdin)"
                         ).set_defaults(handler=cmd_poststop)

@@ -10,7 +10,8 @@ install (each step recorded in cgpu_km.node.record):
      the name `nvidia`), then SIGHUP to a running dockerd, which reloads it;
   5. containerd: the CRI runtime `cgpu` in config.toml (a restart of
      containerd applies it); `ctr run --runc-binary` takes the wrapper as is;
-  6. podman: cgpu-hook in /etc/containers/oci/hooks.d (read at every run);
+  6. podman: cgpu-hook in /etc/containers/oci/hooks.d (read at every run), at
+     createRuntime where podman's runtimes list it, else at prestart;
   7. the systemd units, enabled and started when systemd runs.
 Every input is read and checked before anything is written. uninstall
 walks the record back: the original files byte for byte where they still
@@ -32,6 +33,7 @@ from typing import Any
 
 from cgpu_km import paths
 from cgpu_km.container.envplan import ENFORCE
+from cgpu_km.container.oci.runtime import runtime_hooks
 from cgpu_km.container.oci.settings import (
     DEFAULT_PATH,
     DEFAULT_RUNTIMES,
@@ -332,10 +334,7 @@ def install(layout: Layout, options: Options, say: Say) -> None:
             say(f"containerd: {layout.containerd_config}: CRI runtime cgpu (restart "
                 "containerd to apply it)")
         if "podman" in options.engines:
-            documents = podmanhooks.hook_documents(podman_hook_call(parts, options, layout.hook))
-            for name, document in documents.items():
-                record.write(layout.hooks_dir / name, podmanhooks.render(document).encode())
-            say(f"podman: cgpu-hook in {layout.hooks_dir}")
+            step_podman(layout, podman_hook_call(parts, options, layout.hook), record, say)
         step_units(layout, options, record, say)
     except InstallError:
         if previous is None:
@@ -345,6 +344,25 @@ def install(layout: Layout, options: Options, say: Say) -> None:
         if previous is None:
             uninstall(layout.state_dir, lambda _: None)
         raise InstallError(f"install failed: {error}") from None
+
+
+def podman_start_stage() -> str:
+    """The stage at which podman's runtimes run the hook (podmanhooks.start_for)."""
+    found = [shutil.which(name) for name in podmanhooks.RUNTIMES]
+    return podmanhooks.start_for([runtime_hooks(path) for path in found if path])
+
+
+def step_podman(layout: Layout, hook: HookCall, record: Record, say: Say) -> None:
+    """The hook files, and none left from an install that chose another stage."""
+    start = podman_start_stage()
+    documents = podmanhooks.hook_documents(hook, start)
+    for name in podmanhooks.FILE_NAMES:
+        path = layout.hooks_dir / name
+        if name not in documents and record.holds_written(path):
+            record.restore(path)
+    for name, document in documents.items():
+        record.write(layout.hooks_dir / name, podmanhooks.render(document).encode())
+    say(f"podman: cgpu-hook at {start} and poststop in {layout.hooks_dir}")
 
 
 def systemd_running() -> bool:

@@ -58,13 +58,17 @@ def test_decisions() -> None:
     assert not claims.owns("b", "a")
 
 
-def test_second_prestart_of_the_same_container_takes_over(
+@pytest.mark.parametrize(("first", "second"), [
+    ("prestart", "prestart"), ("createRuntime", "createRuntime"),
+    ("prestart", "createRuntime"),  # started again after the wrapper moved to createRuntime
+])
+def test_second_start_of_the_same_container_takes_over(
         control_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        claim_dir: Path) -> None:
-    assert run_hook(monkeypatch, control_tree, "prestart", bundle_with(tmp_path, "6"),
+        claim_dir: Path, first: str, second: str) -> None:
+    assert run_hook(monkeypatch, control_tree, first, bundle_with(tmp_path, "6"),
                     FIRST) == 0
     # Started again (poststop never ran), now with another limit: replaced, not refused.
-    assert run_hook(monkeypatch, control_tree, "prestart", bundle_with(tmp_path, "8"),
+    assert run_hook(monkeypatch, control_tree, second, bundle_with(tmp_path, "8"),
                     FIRST) == 0
     assert memsizes(control_tree) == {FIRST[:12]: 15109 * MIB * 8 // 15}
     assert (claim_dir / FIRST[:12]).read_text() == FIRST + "\n"

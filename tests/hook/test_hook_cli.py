@@ -1,4 +1,4 @@
-"""cgpu-hook in-process: plan, prestart and poststop on a real FUSE tree.
+"""cgpu-hook in-process: plan, createRuntime (or prestart) and poststop on a real FUSE tree.
 
 GPU discovery is replaced by a fixed list here; tests/hook/test_runc.py runs
 the installed hook under runc with simgpu.
@@ -15,6 +15,7 @@ import pytest
 
 from cgpu_km.container import hook, steps
 from cgpu_km.container.envplan import MIB
+from cgpu_km.container.oci.spec import START_STAGES
 from cgpu_km.gpus import GpuError, GpuInfo
 from cgpu_km.tree import client as treefs
 
@@ -125,18 +126,19 @@ def test_disabled_plan_needs_no_gpu(capsys: pytest.CaptureFixture[str],
     assert json.loads(capsys.readouterr().out)["enabled"] is False
 
 
-# --- prestart / poststop on the FUSE tree -------------------------------------
+# --- createRuntime or prestart, and poststop, on the FUSE tree ------------------
 
 @FOUR
-def test_prestart_registers_on_each_gpu_and_poststop_removes(
-    control_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("start", START_STAGES)
+def test_start_registers_on_each_gpu_and_poststop_removes(
+    control_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start: str
 ) -> None:
     bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "3,4,5,6",
                                     "ALIYUN_COM_GPU_MEM_DEV": "23",
                                     "ALIYUN_COM_GPU_SCHD_WEIGHT": "2",
                                     "ALIYUN_COM_GPU_HIGH_PRIO": "1",
                                     "GPU_UTIL_PER_DEVICE": "30"})
-    assert run_hook(monkeypatch, control_tree, "prestart", bundle) == 0
+    assert run_hook(monkeypatch, control_tree, start, bundle) == 0
     assert registered(control_tree) == {
         k: {ID12: (15109 * MIB * c // 23, 2, 1, 30)} for k, c in enumerate([3, 4, 5, 6])}
     assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0
@@ -217,11 +219,12 @@ def test_weight_is_checked_against_the_trees_max_inst(
                                  {"ALIYUN_COM_GPU_MEM_CONTAINER": "2", "CGPU_DISABLE": "True"},
                                  {"ALIYUN_COM_GPU_MEM_CONTAINER": "2",
                                   "NVIDIA_VISIBLE_DEVICES": "none"}])
+@pytest.mark.parametrize("start", START_STAGES)
 def test_disabled_container_is_untouched(control_tree: Path, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch,
-                                         env: dict[str, str]) -> None:
+                                         env: dict[str, str], start: str) -> None:
     bundle = make_bundle(tmp_path, env)
-    assert run_hook(monkeypatch, control_tree, "prestart", bundle) == 0
+    assert run_hook(monkeypatch, control_tree, start, bundle) == 0
     assert registered(control_tree) == {k: {} for k in range(4)}
     assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0
 
@@ -232,10 +235,12 @@ def test_disabled_container_needs_no_tree(tmp_path: Path, monkeypatch: pytest.Mo
     assert run_hook(monkeypatch, tmp_path / "absent", "poststop", bundle) == 0
 
 
+@pytest.mark.parametrize("start", START_STAGES)
 def test_enabled_container_without_tree_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+                                              capsys: pytest.CaptureFixture[str],
+                                              start: str) -> None:
     bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "1"})
-    assert run_hook(monkeypatch, tmp_path / "absent", "prestart", bundle) == 1
+    assert run_hook(monkeypatch, tmp_path / "absent", start, bundle) == 1
     assert capsys.readouterr().err.startswith(f"cgpu-hook: no control tree at {tmp_path}")
     assert run_hook(monkeypatch, tmp_path / "absent", "poststop", bundle) == 0
 
@@ -247,7 +252,7 @@ def test_enabled_container_without_tree_fails(tmp_path: Path, monkeypatch: pytes
     ('{"id": "abc"}', "OCI state on stdin has no bundle"),
     ('{"id": "abc", "bundle": "/nonexistent-bundle"}', "cannot read /nonexistent-bundle/"),
 ])
-@pytest.mark.parametrize("command", ["prestart", "poststop"])
+@pytest.mark.parametrize("command", ["createRuntime", "prestart", "poststop"])
 def test_bad_state_is_one_line(monkeypatch: pytest.MonkeyPatch,
                                capsys: pytest.CaptureFixture[str], stdin: str, message: str,
                                command: str, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from cgpu_km.container.oci.settings import load_settings
 from cgpu_km.node import cli
+from cgpu_km.node import install as install_mod
 
 DAEMON_JSON = b'{"log-level":"warn",\n "runtimes": {"nvidia": {"path": "/usr/bin/nvidia-container-runtime"}}}'  # noqa: E501
 CONTAINERD = b"version = 2\n# a comment that a TOML writer would drop\n[plugins]\n"
@@ -138,8 +139,32 @@ def test_enforce_reaches_the_wrapper_and_podman_s_hook_and_status_shows_it(
     assert install(node, "--enforce") == 0
     assert load_settings(node / "etc" / "cgpu_km" / "runtime.toml").enforce
     hooks = node / "etc" / "containers" / "oci" / "hooks.d"
-    for stage in ("prestart", "poststop"):
-        document = json.loads((hooks / f"cgpu-{stage}.json").read_text())
-        assert "CGPU_ENFORCE=1" in document["hook"]["env"]
+    documents = sorted(hooks.glob("cgpu-*.json"))
+    assert len(documents) == 2
+    for path in documents:
+        assert "CGPU_ENFORCE=1" in json.loads(path.read_text())["hook"]["env"]
     assert status() is True
     assert uninstall(node) == 0
+
+
+def test_podman_s_hook_moves_stage_with_its_runtimes(
+        node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second install that picks the other start stage leaves one start hook,
+    and uninstall still restores every byte."""
+    before = snapshot(node / "etc")
+    hooks = node / "etc" / "containers" / "oci" / "hooks.d"
+
+    def installed_with(start: str) -> dict[str, list[str]]:
+        monkeypatch.setattr(install_mod, "podman_start_stage", lambda: start)
+        assert install(node) == 0
+        return {path.name: json.loads(path.read_text())["stages"]
+                for path in sorted(hooks.glob("cgpu-*.json"))}
+
+    assert installed_with("prestart") == {"cgpu-poststop.json": ["poststop"],
+                                          "cgpu-prestart.json": ["prestart"]}
+    assert installed_with("createRuntime") == {"cgpu-createRuntime.json": ["createRuntime"],
+                                               "cgpu-poststop.json": ["poststop"]}
+    assert installed_with("prestart") == {"cgpu-poststop.json": ["poststop"],
+                                          "cgpu-prestart.json": ["prestart"]}
+    assert uninstall(node) == 0
+    assert snapshot(node / "etc") == before

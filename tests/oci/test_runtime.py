@@ -16,6 +16,11 @@ from cgpu_km.container.oci.settings import CONFIG_ENV
 
 WRAPPER = Path(sys.executable).parent / "cgpu-container-runtime"
 FAKE = """#!/bin/sh
+if [ "$1" = features ]; then
+    [ -f "{out}/features" ] || exit 1
+    cat "{out}/features"
+    exit 0
+fi
 printf '%s\\n' "$@" > "{out}/argv"
 [ -f "{bundle}/config.json" ] && cp "{bundle}/config.json" "{out}/seen.json"
 exit 7
@@ -44,18 +49,62 @@ def wrapper(setup: dict[str, Path], *args: str) -> subprocess.CompletedProcess[s
                           timeout=60, cwd=setup["out"])
 
 
+RUNC_1_1 = {"ociVersionMin": "1.0.0", "ociVersionMax": "1.0.2-dev",
+            "hooks": ["prestart", "createRuntime", "createContainer", "startContainer",
+                      "poststart", "poststop"]}
+
+
+@pytest.mark.parametrize(("features", "start"), [
+    (json.dumps(RUNC_1_1), "createRuntime"),
+    (json.dumps({"hooks": ["prestart", "poststart", "poststop"]}), "prestart"),
+    (None, "prestart"),  # `features` fails: a runtime older than runc 1.1
+    ("no JSON", "prestart"),
+])
 def test_create_adds_the_hooks_then_runs_the_real_runtime_with_the_same_args(
-        setup: dict[str, Path]) -> None:
+        setup: dict[str, Path], features: str | None, start: str) -> None:
+    if features is not None:
+        (setup["out"] / "features").write_text(features)
     args = ["--root", "/r", "--log", str(setup["out"] / "log.json"), "--log-format", "json",
             "create", "--bundle", str(setup["bundle"]), "--pid-file", "/p", "ctr1"]
     result = wrapper(setup, *args)
     assert result.returncode == 7  # the real runtime's status: it was exec'd
     assert (setup["out"] / "argv").read_text().splitlines() == args
     seen = json.loads((setup["out"] / "seen.json").read_text())
-    assert [h["path"] for h in seen["hooks"]["prestart"]] == ["/usr/bin/dockerd",
-                                                              "/opt/cgpu_km/bin/cgpu-hook"]
+    assert seen["hooks"][start] == [
+        *([{"path": "/usr/bin/dockerd", "args": ["libnetwork"]}] if start == "prestart" else []),
+        {"path": "/opt/cgpu_km/bin/cgpu-hook", "args": ["cgpu-hook", start],
+         "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+         "timeout": 30}]
+    assert seen["hooks"]["prestart"][0]["path"] == "/usr/bin/dockerd"  # kept, first
     assert seen["hooks"]["poststop"][0]["args"] == ["cgpu-hook", "poststop"]
     assert "mounts" not in seen  # simulation is off
+
+
+def test_a_hook_already_in_the_config_is_not_run_twice(setup: dict[str, Path]) -> None:
+    """A config that has cgpu-hook at prestart (an older wrapper, podman's hooks
+    directory) keeps one call, at the stage the runtime's features pick."""
+    (setup["out"] / "features").write_text(json.dumps(RUNC_1_1))
+    hook = setup["out"] / "bin" / "cgpu-hook"
+    hook.parent.mkdir()
+    hook.write_text("")
+    (setup["out"] / "renamed").symlink_to(hook)  # the same program by another name
+    setup["settings"].write_text(setup["settings"].read_text().replace(
+        "/opt/cgpu_km/bin/cgpu-hook", str(hook)))
+    config = json.loads((setup["bundle"] / "config.json").read_text())
+    config["hooks"]["prestart"].append({"path": "/usr/local/bin/cgpu-hook",
+                                        "args": ["cgpu-hook", "prestart"]})
+    config["hooks"]["createRuntime"] = [{"path": str(setup["out"] / "renamed"),
+                                         "args": ["x", "poststop"]}]
+    config["hooks"]["poststart"] = [{"path": "/usr/local/bin/cgpu-hook",
+                                     "args": ["cgpu-hook", "createRuntime"]}]
+    (setup["bundle"] / "config.json").write_text(json.dumps(config))
+    assert wrapper(setup, "create", "--bundle", str(setup["bundle"]), "c").returncode == 7
+    seen = json.loads((setup["out"] / "seen.json").read_text())
+    calls = {stage: [e["args"][-1] for e in entries] for stage, entries in seen["hooks"].items()
+             if stage != "prestart"}
+    assert [e["path"] for e in seen["hooks"]["prestart"]] == ["/usr/bin/dockerd"]
+    assert calls == {"poststart": [], "createRuntime": ["createRuntime"],
+                     "poststop": ["poststop"]}
 
 
 def test_other_commands_pass_through_untouched(setup: dict[str, Path]) -> None:

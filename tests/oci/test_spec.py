@@ -6,13 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cgpu_km.container.oci.spec import (
+    START_STAGES,
     HookCall,
     SimGpu,
+    features_hooks,
     gpu_device_nodes,
+    is_cgpu_hook,
+    start_stage,
     visible_devices,
     with_agreeing_visible,
     with_hooks,
@@ -31,25 +36,101 @@ def docker_config() -> dict[str, Any]:
             "mounts": [{"destination": "/dev/shm", "type": "tmpfs", "source": "shm"}]}
 
 
-def test_hooks_come_after_docker_s_and_editing_twice_is_once() -> None:
+@pytest.mark.parametrize("start", START_STAGES)
+def test_hooks_come_after_docker_s_and_editing_twice_is_once(start: str) -> None:
     config = docker_config()
-    once = with_hooks(config, HOOK)
-    assert once["hooks"]["prestart"] == [LIBNETWORK, {
+    once = with_hooks(config, HOOK, start)
+    assert once["hooks"][start][-1] == {
         "path": "/usr/local/bin/cgpu-hook", "args": ["cgpu-hook", "--root", "/proc/cgpu_km",
-                                                     "prestart"],
-        "env": ["PATH=/bin"], "timeout": 30}]
+                                                     start],
+        "env": ["PATH=/bin"], "timeout": 30}
+    assert once["hooks"]["prestart"][0] == LIBNETWORK  # docker's stays where it was
     assert once["hooks"]["poststop"][0]["args"][-1] == "poststop"
-    assert with_hooks(once, HOOK) == once
+    assert with_hooks(once, HOOK, start) == once
     assert config == docker_config()  # not changed in place
 
 
 def test_an_older_cgpu_hook_entry_is_replaced() -> None:
     old = {"path": "/old/bin/cgpu-hook", "args": ["cgpu-hook", "prestart"]}
     config = {"hooks": {"prestart": [old, LIBNETWORK], "poststop": [old]}}
-    edited = with_hooks(config, HookCall(path="/new/cgpu-hook"))
+    edited = with_hooks(config, HookCall(path="/new/cgpu-hook"), "prestart")
     assert [h["path"] for h in edited["hooks"]["prestart"]] == ["/usr/bin/dockerd",
                                                                 "/new/cgpu-hook"]
     assert [h["path"] for h in edited["hooks"]["poststop"]] == ["/new/cgpu-hook"]
+
+
+def test_moving_to_createruntime_leaves_no_prestart_call() -> None:
+    once = with_hooks(docker_config(), HOOK, "prestart")
+    moved = with_hooks(once, HOOK, "createRuntime")
+    assert moved["hooks"]["prestart"] == [LIBNETWORK]
+    assert [h["args"][-1] for h in moved["hooks"]["createRuntime"]] == ["createRuntime"]
+    back = with_hooks(moved, HOOK, "prestart")
+    assert back["hooks"] == {**once["hooks"], "createRuntime": []}
+
+
+def test_a_config_cannot_add_a_call_at_any_stage() -> None:
+    """Entries that run cgpu-hook by another path, name or stage are all taken
+    out: the only calls left are the wrapper's own, one per stage."""
+    sneaky = [
+        {"path": "/tmp/x/cgpu-hook", "args": ["cgpu-hook", "--root", "/tmp/fake", "poststop"]},
+        {"path": "/usr/local/bin/renamed", "args": ["/usr/local/bin/cgpu-hook", "prestart"]},
+        {"path": HOOK.path, "args": ["anything"]},
+        {"path": "/usr/local/bin/same-file", "args": ["x"]},
+    ]
+    config = {"hooks": {stage: list(sneaky) for stage in
+                        ("prestart", "createRuntime", "createContainer", "startContainer",
+                         "poststart", "poststop")}}
+    edited = with_hooks(config, HOOK, "createRuntime",
+                        lambda path: path == "/usr/local/bin/same-file")
+    assert edited["hooks"] == {"prestart": [], "createRuntime": [HOOK.entry("createRuntime")],
+                               "createContainer": [], "startContainer": [], "poststart": [],
+                               "poststop": [HOOK.entry("poststop")]}
+
+
+def test_what_counts_as_cgpu_hook() -> None:
+    assert is_cgpu_hook({"path": "/a/cgpu-hook"})
+    assert is_cgpu_hook({"path": "/a/b", "args": ["cgpu-hook"]})
+    assert is_cgpu_hook({"path": "/a/b"}, "/a/b")
+    assert not is_cgpu_hook({"path": "/a/b", "args": ["b", "cgpu-hook"]}, "/a/c")
+    assert not is_cgpu_hook({"path": "/a/cgpu-hook-not"})
+    assert not is_cgpu_hook("cgpu-hook")
+    assert not is_cgpu_hook({"path": 3, "args": "cgpu-hook"}, "/a/b", lambda path: True)
+
+
+def test_only_a_start_stage_is_one() -> None:
+    for stage in ("poststart", "startContainer", "createContainer", "poststop", "Prestart"):
+        with pytest.raises(ValueError, match="is not a start stage"):
+            with_hooks(docker_config(), HOOK, stage)
+
+
+RUNC_1_1 = ('{"ociVersionMin": "1.0.0", "ociVersionMax": "1.0.2-dev", "hooks": ["prestart", '
+            '"createRuntime", "createContainer", "startContainer", "poststart", "poststop"]}')
+
+
+@pytest.mark.parametrize(("output", "hooks", "stage"), [
+    (RUNC_1_1, {"prestart", "createRuntime", "createContainer", "startContainer",
+                "poststart", "poststop"}, "createRuntime"),
+    ('{"hooks": ["prestart", "poststop"]}', {"prestart", "poststop"}, "prestart"),
+    ('{"ociVersionMax": "1.2.0"}', None, "prestart"),  # no list: cannot tell
+    ('{"hooks": "createRuntime"}', None, "prestart"),
+    ('{"hooks": ["createRuntime", 1]}', None, "prestart"),
+    ('["createRuntime"]', None, "prestart"),
+    ("Incorrect Usage: unknown command features", None, "prestart"),
+    ("", None, "prestart"),
+])
+def test_the_start_stage_comes_from_what_features_lists(
+        output: str, hooks: set[str] | None, stage: str) -> None:
+    assert features_hooks(output) == (None if hooks is None else frozenset(hooks))
+    assert start_stage(features_hooks(output)) == stage
+
+
+@given(st.none() | st.frozensets(st.sampled_from(
+    ["prestart", "createRuntime", "createContainer", "startContainer", "poststart",
+     "poststop", "createruntime", ""])))
+def test_the_start_stage_is_createruntime_only_when_listed(hooks: frozenset[str] | None) -> None:
+    stage = start_stage(hooks)
+    assert stage in START_STAGES
+    assert (stage == "createRuntime") == (hooks is not None and "createRuntime" in hooks)
 
 
 def test_simgpu_mounts_read_only_but_the_state_and_visible_devices() -> None:
@@ -98,22 +179,26 @@ HOOK_ENTRY = st.fixed_dictionaries({"path": st.sampled_from(
     "args": st.lists(st.text(max_size=5), max_size=3)})
 
 
-@given(st.dictionaries(st.sampled_from(["prestart", "poststop", "createRuntime"]),
-                       st.lists(HOOK_ENTRY, max_size=3)), st.dictionaries(
-    st.sampled_from(["ociVersion", "root", "annotations"]), JSONISH, max_size=3))
+STAGE_NAMES = ["prestart", "poststop", "createRuntime", "poststart", "createContainer"]
+
+
+@given(st.dictionaries(st.sampled_from(STAGE_NAMES), st.lists(HOOK_ENTRY, max_size=3)),
+       st.dictionaries(st.sampled_from(["ociVersion", "root", "annotations"]), JSONISH,
+                       max_size=3),
+       st.sampled_from(START_STAGES))
 def test_hooks_edit_keeps_the_rest_and_is_idempotent(
-        hooks: dict[str, list[dict[str, Any]]], rest: dict[str, Any]) -> None:
+        hooks: dict[str, list[dict[str, Any]]], rest: dict[str, Any], start: str) -> None:
     config = {**rest, "hooks": hooks}
-    edited = with_hooks(config, HOOK)
-    assert with_hooks(edited, HOOK) == edited
+    edited = with_hooks(config, HOOK, start)
+    assert with_hooks(edited, HOOK, start) == edited
     assert {k: v for k, v in edited.items() if k != "hooks"} == rest
-    for stage, entries in hooks.items():
-        if stage == "createRuntime":
-            assert edited["hooks"][stage] == entries  # only prestart and poststop change
-            continue
-        others = [e for e in entries if not e["path"].endswith("/cgpu-hook")]
-        assert edited["hooks"][stage] == [*others, HOOK.entry(stage)]
-    assert [e["path"] for e in edited["hooks"]["prestart"]].count(HOOK.path) == 1
+    for stage in {*hooks, start, "poststop"}:
+        others = [e for e in hooks.get(stage, []) if not e["path"].endswith("/cgpu-hook")]
+        ours = [HOOK.entry(stage)] if stage in (start, "poststop") else []
+        assert edited["hooks"][stage] == [*others, *ours]
+    calls = [e for entries in edited["hooks"].values() for e in entries if is_cgpu_hook(e)]
+    assert calls == [HOOK.entry(start), HOOK.entry("poststop")] or \
+        calls == [HOOK.entry("poststop"), HOOK.entry(start)]
     json.dumps(edited)
 
 

@@ -4,9 +4,10 @@
 
 Engines call it as they call runc (docker's `runtimes` in daemon.json,
 containerd's runc `BinaryName`, `ctr run --runc-binary`). On `create` (and
-`run`) it adds cgpu-hook's prestart and poststop to the bundle's
-config.json; the hook decides from the container's environment whether
-anything happens. On simgpu it also mounts simgpu's libraries, its
+`run`) it adds cgpu-hook to the bundle's config.json, at createRuntime when
+the real runtime's `features` lists that hook, else at prestart, and at
+poststop (cgpu_km.container.oci.spec.start_stage); the hook decides from the
+container's environment whether anything happens. On simgpu it also mounts simgpu's libraries, its
 `nvidia-smi` and the host's simgpu state into the container, and gives
 `exec` processes the same GPUs as the container (cgpu_km.container.oci.spec). Then it
 execs the real runtime (the first of `runtimes` in its configuration,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -44,7 +46,9 @@ from cgpu_km.container.oci.spec import (
     DRIVER_DEVICE,
     SIMGPU_LIBRARIES,
     env_map,
+    features_hooks,
     gpu_device_nodes,
+    start_stage,
     with_agreeing_visible,
     with_hooks,
     with_simgpu,
@@ -53,6 +57,7 @@ from cgpu_km.container.oci.spec import (
 from cgpu_km.fileio import FileError, read_json_object, replace_file
 
 PROG = "cgpu-container-runtime"
+FEATURES_TIMEOUT = 10  # seconds for `runtime features`
 
 
 class WrapperError(Exception):
@@ -137,9 +142,21 @@ def managed(config: dict[str, Any], enforce: bool) -> bool:
         return False
 
 
-def prepare_bundle(bundle: Path, settings: Settings, config_file: Path) -> None:
-    """Add the hook (and simgpu) to `<bundle>/config.json`; for a managed
-    container, make NVIDIA's list of GPUs agree with the limited ones."""
+def runtime_hooks(runtime: str) -> frozenset[str] | None:
+    """The hooks that `runtime features` lists; None when it cannot tell
+    (a runtime without the command, or one that fails)."""
+    try:
+        result = subprocess.run([runtime, "features"], stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, timeout=FEATURES_TIMEOUT)
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
+        return None
+    return features_hooks(result.stdout) if result.returncode == 0 else None
+
+
+def prepare_bundle(bundle: Path, settings: Settings, config_file: Path, start: str) -> None:
+    """Add the hook (at `start` and poststop, and simgpu) to
+    `<bundle>/config.json`; for a managed container, make NVIDIA's list of
+    GPUs agree with the limited ones."""
     path = bundle / "config.json"
     config = read_json(path)
     if isinstance(config.get("process"), dict) and managed(config, settings.enforce):
@@ -148,7 +165,9 @@ def prepare_bundle(bundle: Path, settings: Settings, config_file: Path) -> None:
     if simulate:
         check_simgpu(settings, config_file)
         config = with_simgpu(config, settings.simgpu)
-    write_json(path, with_hooks(config, settings.hook_for(simulate)))
+    hook = settings.hook_for(simulate)
+    write_json(path, with_hooks(config, hook, start,
+                                functools.partial(_same_file, hook.path)))
 
 
 def prepare_exec(process_file: Path) -> None:
@@ -192,13 +211,15 @@ def prepare(invocation: Invocation, environ: Mapping[str, str]) -> str:
         if invocation.command in CREATING:
             raise WrapperError(str(error)) from None
         settings = None  # stopping and deleting must work with a broken file
+    runtimes = settings.runtimes if settings is not None else DEFAULT_RUNTIMES
+    runtime = find_runtime(runtimes, environ, own_path())
     if settings is not None and invocation.command in CREATING and invocation.bundle:
-        prepare_bundle(invocation.bundle, settings, config_file)
+        prepare_bundle(invocation.bundle, settings, config_file,
+                       start_stage(runtime_hooks(runtime)))
     elif (settings is not None and invocation.command == "exec"
           and invocation.process is not None and simulating(settings)):
         prepare_exec(invocation.process)
-    runtimes = settings.runtimes if settings is not None else DEFAULT_RUNTIMES
-    return find_runtime(runtimes, environ, own_path())
+    return runtime
 
 
 def main(argv: Sequence[str] | None = None) -> int:

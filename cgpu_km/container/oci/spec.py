@@ -1,8 +1,14 @@
 """Edits of an OCI runtime config (`config.json`), as pure functions.
 
-`with_hooks` gives the config cgpu-hook's prestart and poststop (replacing
-any cgpu-hook entries already there, so editing twice is editing once); the
-hook decides from the container's environment whether anything happens.
+`with_hooks` gives the config cgpu-hook at one start stage and at poststop,
+and takes every other cgpu-hook entry out of every stage, so editing twice
+is editing once and a config cannot add a second call or one at another
+stage; the hook decides from the container's environment whether anything
+happens. The start stage is `createRuntime` where the runtime says it runs
+it (`start_stage`, from the `hooks` of `runtime features`), else the
+deprecated `prestart`, which every runtime runs: runc and crun run both at
+the same point (in the runtime's namespaces, after the container is created,
+before pivot_root; prestart first), so the hook sees the same state there.
 
 On simgpu (a host without a GPU), `with_simgpu` makes the container see the
 simulated GPU the way a container on a GPU host sees NVIDIA's driver:
@@ -18,16 +24,20 @@ device nodes a GPU host's runtime would mount), also for exec processes
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sysconfig
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 HOOK_PROGRAM = "cgpu-hook"
 DRIVER_DEVICE = "/dev/nvidiactl"  # a host without it has no NVIDIA driver
-STAGES = ("prestart", "poststop")
+PRESTART = "prestart"
+CREATE_RUNTIME = "createRuntime"
+POSTSTOP = "poststop"
+START_STAGES = (CREATE_RUNTIME, PRESTART)  # where the hook registers the container
 MULTIARCH = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
 LIBRARY_FOLDER = f"/usr/lib/{MULTIARCH}"
 SIMGPU_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
@@ -59,20 +69,59 @@ class HookCall:
                 "timeout": self.timeout}
 
 
-def is_cgpu_hook(entry: object) -> bool:
-    return isinstance(entry, dict) and os.path.basename(str(entry.get("path", ""))) == HOOK_PROGRAM
+def features_hooks(text: str) -> frozenset[str] | None:
+    """The hooks that a runtime's `features` output (runc 1.1+, crun 1.8+)
+    says it runs, or None when the output does not say."""
+    try:
+        features = json.loads(text)
+    except ValueError:
+        return None
+    hooks = features.get("hooks") if isinstance(features, dict) else None
+    if not isinstance(hooks, list) or not all(isinstance(h, str) for h in hooks):
+        return None
+    return frozenset(hooks)
 
 
-def with_hooks(config: Config, hook: HookCall) -> Config:
-    """`config` with cgpu-hook last among its prestart and poststop hooks."""
+def start_stage(runtime_hooks: Collection[str] | None) -> str:
+    """The stage at which cgpu-hook registers the container: createRuntime
+    when the runtime lists it, else prestart (also when it cannot tell)."""
+    if runtime_hooks is not None and CREATE_RUNTIME in runtime_hooks:
+        return CREATE_RUNTIME
+    return PRESTART
+
+
+def is_cgpu_hook(entry: object, path: str | None = None,
+                 same_program: Callable[[str], bool] | None = None) -> bool:
+    """Whether a hook entry runs cgpu-hook: by its program's name (path or
+    argv[0]), its path being `path`, or `same_program` saying so."""
+    if not isinstance(entry, dict):
+        return False
+    program = entry.get("path")
+    args = entry.get("args")
+    names = [program, args[0] if isinstance(args, list) and args else None]
+    if any(isinstance(n, str) and os.path.basename(n) == HOOK_PROGRAM for n in names):
+        return True
+    if not isinstance(program, str):
+        return False
+    return program == path or (same_program is not None and same_program(program))
+
+
+def with_hooks(config: Config, hook: HookCall, start: str,
+               same_program: Callable[[str], bool] | None = None) -> Config:
+    """`config` with cgpu-hook last among its `start` hooks and its poststop
+    hooks, and nowhere else (`is_cgpu_hook` decides what is cgpu-hook)."""
+    if start not in START_STAGES:
+        raise ValueError(f"{start!r} is not a start stage ({', '.join(START_STAGES)})")
     result = copy.deepcopy(config)
     hooks = result.get("hooks")
     if not isinstance(hooks, dict):
         hooks = {}
-    for stage in STAGES:
+    for stage, entries in hooks.items():
+        if isinstance(entries, list):
+            hooks[stage] = [e for e in entries if not is_cgpu_hook(e, hook.path, same_program)]
+    for stage in (start, POSTSTOP):
         current = hooks.get(stage)
-        others = [e for e in current if not is_cgpu_hook(e)] if isinstance(current, list) else []
-        hooks[stage] = [*others, hook.entry(stage)]
+        hooks[stage] = [*(current if isinstance(current, list) else []), hook.entry(stage)]
     result["hooks"] = hooks
     return result
 
