@@ -567,6 +567,10 @@ class Region:
     def gate_is_open(self, k: int) -> bool:
         return bool(self._gpu(k).gate == GATE_OPEN)
 
+    def gate(self, k: int) -> int:
+        """GPU k's gate: GATE_OPEN, GATE_CLOSED or GATE_ARMED."""
+        return int(self._gpu(k).gate)
+
     def close_seq(self, k: int) -> int:
         return int(self._gpu(k).close_seq)
 

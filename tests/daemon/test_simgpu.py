@@ -9,6 +9,7 @@ figures.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.dataplane.region import GATE_CLOSED, Region
 from tests.bench.shares import Report, Workload, fraction, measure, started, summarize
 from tests.daemon.simbox import SimHost, held_at, missing
 
@@ -42,8 +44,10 @@ def steady(report: Report, seconds: float) -> float:
 def settled(report: Report, start: float, end: float, ok: Callable[[float], bool],
             what: str) -> float:
     """The earliest time from `start` (in 0.1 s steps) from which the share it filled up
-    to `end`, at least 1 s later, is `ok`: when a change took effect, which a test
-    prints but never bounds (AssertionError if it never did)."""
+    to `end`, at least 1 s later, is `ok`: when a change showed in the share, printed
+    but never bounded (this host's stalls would make a bound flaky: what the promise
+    bounds is asserted from the daemon's and libcgpu's own records). AssertionError if
+    it never did."""
     at = start
     while end - at >= 1:
         share = fraction(report, US, at, end)
@@ -116,7 +120,15 @@ def test_util_limit_caps(host: SimHost) -> None:
     assert held_at(steady(got["a"], 5), 0.30), steady(got["a"], 5)
 
 
-def test_policy_echo_takes_effect_at_once(host: SimHost) -> None:
+def configurations(host: SimHost, gpu: int, policy: int) -> list[tuple[int, int]]:
+    """(steps taken when it was handed over, the step that ran it) of each new
+    configuration with `policy` that the dispatcher of `gpu` logged."""
+    pattern = (rf"GPU {gpu}: a configuration handed over after step (\d+) ran at step (\d+) "
+               rf"\(policy {policy}\)")
+    return [(int(m[1]), int(m[2])) for m in re.finditer(pattern, host.daemon_log())]
+
+
+def test_policy_echo_runs_at_the_next_step_and_caps(host: SimHost) -> None:
     host.echo("0/max_inst", 4)
     host.start_daemon(0.05)
     with started(host, [Workload("a", US)], 7) as run:
@@ -125,6 +137,12 @@ def test_policy_echo_takes_effect_at_once(host: SimHost) -> None:
         host.echo("0/policy", 0)
         a = run.reports()["a"]
     assert fraction(a, US, a.t0 + 1, a.t0 + 3) >= BUSY
+    # "The daemon applies a change within one scheduling period": the step after the
+    # dispatcher was handed the new policy ran it.
+    handed = configurations(host, 0, 0)
+    assert handed, "the dispatcher never ran policy 0"
+    for before, ran in handed:
+        assert ran - before <= 1, f"handed over after step {before}, ran at step {ran}"
     settled(a, echoed, a.t0 + 7, lambda share: share <= 0.27, "capped at 1/4")
 
 
@@ -134,13 +152,31 @@ def test_a_dead_daemon_never_leaves_workloads_blocked(host: SimHost, sig: int) -
     host.echo("0/max_inst", 10)
     host.start_daemon()
     with started(host, [Workload("a", US)], 12) as run:  # 9 s after the kill: a hang guard
+        region = Region.open(host.region_dir / "a")
         run.sleep_until(3)
         host.kill_daemon(sig)
         gone = time.monotonic()
+        # A stopped daemon opens the gates as it exits; a killed one leaves them as they
+        # were, and a closed one fails open once the heartbeat is 2 s old: the waiting
+        # launch records the heartbeat it judged stale and when it went on.
+        closed = region.gate(0) == GATE_CLOSED
+        assert not closed or sig == signal.SIGKILL
+        record = region.failed_open(0)
+        while closed and record is None and time.monotonic() < gone + 8:
+            time.sleep(0.05)
+            record = region.failed_open(0)
+        beat, timeout = region.heartbeat_ns, region.gate_timeout_ns
+        region.close()
         a = run.reports()["a"]
     assert fraction(a, US, a.t0 + 1, a.t0 + 3) <= 0.12
-    # A stopped daemon opens the gates as it exits; a killed one's fail open once its
-    # heartbeat is 2 s old (make bench prints how soon).
+    if closed:
+        assert record is not None, "no launch failed open at the closed gate"
+        assert record.heartbeat_ns == beat, record
+        assert record.age_ns >= timeout == 2_000_000_000, record
+        assert 0 < record.wake_ns <= beat + timeout, record
+        print(f"failed open with the heartbeat {record.age_ns / 1e9:.3f} s old")
+    else:
+        assert record is None, "a launch waited at a gate the daemon left open"
     settled(a, gone, a.t0 + 12, lambda share: share >= BUSY, "the gates open")
 
 
