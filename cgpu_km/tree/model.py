@@ -7,8 +7,8 @@ carrying the contract's errno, raised before anything changes, so a failed
 write leaves the tree as it was.  The FUSE tree serves this object; the
 kernel module implements the same rules in C from the same node table.
 
-Decisions where the contract (docs/design.md) is silent (the kernel module follows
-them too):
+Decisions of this model that the contract (docs/design.md) states as well (the
+kernel module follows them too):
 - Values are ASCII decimal digits with optional surrounding ASCII
   whitespace; a sign, `0x`, or more than `VALUE_WRITE_MAX` bytes is EINVAL.
 - A container id may not be `.`, `..` or the name of a GPU-level node
