@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+from cgpu_km.dataplane import region as region_mod
+
 CHECKS = Path(__file__).resolve().parents[2] / "kmod" / "vm" / "node" / "checks.py"
 
 
@@ -60,3 +62,25 @@ def test_samples_match_on_labels(checks: ModuleType) -> None:
     assert checks.sample(samples, "cgpu_container_weight", container="ab") == 2.0
     assert checks.sample(samples, "cgpu_container_weight", container="a") == 4.0
     assert checks.sample(samples, "cgpu_container_weight", container="b") is None
+
+
+def test_failed_open_reads_the_region_as_libcgpu_lays_it_out(checks: ModuleType,
+                                                              tmp_path: Path) -> None:
+    gpus = [region_mod.GpuSpec(1 << 30), region_mod.GpuSpec(1 << 30)]
+    with region_mod.Region.create(tmp_path / "job", "job", gpus) as region:
+        assert checks.failed_open(tmp_path / "job") is None
+        account = region._account
+        for index, gpu in ((3, 1), (5, 1), (6, 0)):
+            slot = account.proc[index]
+            slot.state = region_mod.SLOT_LIVE
+            line = slot.gpu[gpu]
+            line.stale_heartbeat_ns, line.gate_wake_ns = 1000 + index, 2000 + index
+            line.failed_open_ns = 3000 + index
+        account.slots_used = 7
+        account.proc[5].state = region_mod.SLOT_RECLAIMING  # not live: not read
+        for gpu in (0, 1):
+            record = region.failed_open(gpu)
+            assert record is not None
+            assert checks.failed_open(tmp_path / "job", gpu) == (
+                record.heartbeat_ns, record.wake_ns, record.at_ns)
+        assert checks.failed_open(tmp_path / "job", 1) == (1003, 2003, 3003)

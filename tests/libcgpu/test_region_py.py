@@ -257,6 +257,22 @@ def test_views_and_reclaim(tmp_path: Path) -> None:
         sleeper.wait()
 
 
+def test_failed_open_is_the_latest_record_of_a_live_slot(tmp_path: Path) -> None:
+    with make(tmp_path) as r:
+        assert r.failed_open(0) is None
+        fill_slot(r, 0, 1, 1, 0)
+        fill_slot(r, 1, 2, 1, 0)
+        fill_slot(r, 2, 3, 1, 0)
+        for index, (stale, wake, went) in enumerate([(10, 30, 31), (40, 60, 62), (70, 90, 93)]):
+            line = r._account.proc[index].gpu[0]
+            line.stale_heartbeat_ns, line.gate_wake_ns, line.failed_open_ns = stale, wake, went
+        assert r.failed_open(1) is None, "a record is per GPU"
+        r._account.proc[2].state = region_mod.SLOT_FREE
+        record = r.failed_open(0)
+        assert record == region_mod.FailedOpen(heartbeat_ns=40, wake_ns=60, at_ns=62)
+        assert record.age_ns == 22
+
+
 def test_region_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(region_mod.REGION_DIR_ENV, str(tmp_path))
     assert region_mod.region_path("abc") == tmp_path / "abc"
