@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO
 
+from cgpu_km.container.oci.spec import CREATE_RUNTIME
 from cgpu_km.dataplane import kernelview
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.tree import client as treefs
@@ -364,6 +365,7 @@ class Node:
         self.sim = SimHost(base, tree, gpus=1, env={
             "SIMGPU_CONTEXT_MEM": context_mem, "CGPU_LIBCGPU": str(self.library)})
         self.context_mem = context_mem
+        self.start = CREATE_RUNTIME  # the hook stage that registers its containers
         self.containers: list[Container] = []
         self._probe: tuple[Container, Proc] | None = None
         self.nvml_processes()  # creates simgpu's state file, which containers bind-mount
@@ -540,7 +542,7 @@ class Node:
         config["hooks"] = {
             stage: [{"path": str(HOOK), "args": ["cgpu-hook", "--root", str(self.tree), stage],
                      "env": self.hook_env(), "timeout": 60}]
-            for stage in ("prestart", "poststop")
+            for stage in (self.start, "poststop")
         }
         return config
 

@@ -13,7 +13,8 @@ real runc with cgpu-hook, the container either starts with libcgpu enforced
 libcgpu and nothing of the host), or the start is refused with one line
 naming the path and why. Whatever the image holds, a sentinel folder of the
 host stays empty and a root-only host file stays as it was and never shows
-in the container.
+in the container. Every case runs twice: with the hook at createRuntime and
+at prestart, which must place the files alike.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.container.oci.spec import START_STAGES
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.tree import client as treefs
 from tests.attacks.hostfiles import HostFiles, host_files
@@ -43,6 +45,14 @@ OFF_IMAGE = "a mount that is not the image's own filesystem"
 
 
 Host = HostFiles
+
+
+@pytest.fixture(params=START_STAGES)
+def node(make_node: Callable[..., Node], request: pytest.FixtureRequest) -> Node:
+    """The attack host (tests/attacks/conftest.py), its hook at one start stage."""
+    made = make_node()
+    made.start = request.param
+    return made
 
 
 @pytest.fixture
@@ -270,7 +280,7 @@ def test_a_container_that_is_not_enabled_is_untouched(node: Node, host: Host) ->
 
 
 def test_a_host_user_cannot_use_the_hook(node: Node, host: Host) -> None:
-    """`nobody` on the host runs cgpu-hook prestart for a bundle of its own whose image
+    """`nobody` on the host runs cgpu-hook's start command for a bundle of its own whose image
     links /run/cgpu and /etc/ld.so.preload to host paths, naming its own process."""
     assert SETPRIV is not None
     bundle = Path(tempfile.mkdtemp(prefix="cgpu-nobody-bundle-"))
@@ -292,7 +302,7 @@ def test_a_host_user_cannot_use_the_hook(node: Node, host: Host) -> None:
                                 "bundle": str(bundle)})
             hook = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                     str(HOOK)]
-            result = subprocess.run([*hook, "--root", str(node.tree), "prestart"], input=state,
+            result = subprocess.run([*hook, "--root", str(node.tree), node.start], input=state,
                                     capture_output=True, text=True, timeout=60,
                                     env={**node.env, "PATH": os.environ["PATH"]}, cwd="/")
         finally:

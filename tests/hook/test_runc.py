@@ -1,9 +1,10 @@
 """cgpu-hook under real runc: busybox containers, FUSE tree, simgpu with 4 GPUs.
 
-The hook is configured in each bundle's config.json (hooks.prestart and
-hooks.poststop, with `--root` in its args and simgpu in its env), exactly as
-an operator would configure it. runc 1.1 runs here as root with its default
-settings (cgroupfs driver, cgroup v1, no user namespace).
+The hook is configured in each bundle's config.json (hooks.createRuntime, or
+hooks.prestart where a test says so, and hooks.poststop, with `--root` in its
+args and simgpu in its env), exactly as an operator would configure it. runc
+1.1 runs here as root with its default settings (cgroupfs driver, cgroup v1,
+no user namespace).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from cgpu_km.children import stop_child
+from cgpu_km.container.oci.spec import START_STAGES
 from cgpu_km.gpus import simgpu_lib_dir
 from cgpu_km.tree import client as treefs
 
@@ -70,6 +72,7 @@ class Runc:
     state_file: Path
     created: list[str]
     foreground: list[subprocess.Popen[bytes]]
+    start: str = "createRuntime"  # the stage that registers
 
     def bundle(self, env: dict[str, str], name: str,
                args: tuple[str, ...] = ("sleep", "600")) -> Path:
@@ -88,7 +91,7 @@ class Runc:
         config["hooks"] = {
             stage: [{"path": str(HOOK), "args": ["cgpu-hook", "--root", str(self.tree), stage],
                      "env": hook_env, "timeout": 60}]
-            for stage in ("prestart", "poststop")
+            for stage in (self.start, "poststop")
         }
         (bundle / "config.json").write_text(json.dumps(config, indent=1))
         return bundle
@@ -164,9 +167,11 @@ def containers(tree: Path) -> dict[int, dict[str, tuple[int, int, int, int]]]:
 EMPTY: dict[int, dict[str, tuple[int, int, int, int]]] = {index: {} for index in range(4)}
 
 
+@pytest.mark.parametrize("start", START_STAGES)
 def test_running_container_is_registered_and_removed_after_delete(
-    runc: Runc, control_tree: Path
+    runc: Runc, control_tree: Path, start: str
 ) -> None:
+    runc.start = start
     env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "6", "ALIYUN_COM_GPU_MEM_DEV": "15",
            "NVIDIA_VISIBLE_DEVICES": "0", "ALIYUN_COM_GPU_SCHD_WEIGHT": "4",
            "ALIYUN_COM_GPU_HIGH_PRIO": "1"}
@@ -250,9 +255,11 @@ def test_disabled_container_runs_and_registers_nothing(
     ({"ALIYUN_COM_GPU_MEM_CONTAINER": "3", "NVIDIA_VISIBLE_DEVICES": "1" * 5000},
      f"cgpu-hook: NVIDIA_VISIBLE_DEVICES: '{'1' * 56}...' is too large (more than 20 digits)"),
 ])
+@pytest.mark.parametrize("start", START_STAGES)
 def test_bad_value_fails_the_start_and_registers_nothing(
-    runc: Runc, control_tree: Path, env: dict[str, str], message: str
+    runc: Runc, control_tree: Path, env: dict[str, str], message: str, start: str
 ) -> None:
+    runc.start = start
     container_id, result = runc.run(env)
     assert result.returncode != 0
     assert f"stderr: {message}\\n" in result.stderr, result.stderr
@@ -294,7 +301,10 @@ def test_two_containers_share_a_gpu(runc: Runc, control_tree: Path) -> None:
     assert containers(control_tree) == EMPTY
 
 
-def test_container_that_exits_by_itself_leaves_nothing(runc: Runc, control_tree: Path) -> None:
+@pytest.mark.parametrize("start", START_STAGES)
+def test_container_that_exits_by_itself_leaves_nothing(runc: Runc, control_tree: Path,
+                                                       start: str) -> None:
+    runc.start = start
     env = {"ALIYUN_COM_GPU_MEM_CONTAINER": "2", "NVIDIA_VISIBLE_DEVICES": "1,3"}
     container_id, process = runc.start_foreground(env, ("sleep", "2"))
     seen: dict[int, dict[str, tuple[int, int, int, int]]] = {}

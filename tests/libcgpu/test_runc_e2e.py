@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cgpu_km.container.oci.spec import START_STAGES
 from tests.libcgpu.sandbox import Built
 
 RUNC = shutil.which("runc")
@@ -68,7 +69,8 @@ def make_rootfs(root: Path, built: Built) -> None:
         shutil.copy2(built.simgpu_dir / name, gpu_libs / name)
 
 
-def bundle_for(tmp: Path, tree: Path, rootfs: Path, state: Path, command: str) -> Path:
+def bundle_for(tmp: Path, tree: Path, rootfs: Path, state: Path, command: str,
+               start: str) -> Path:
     bundle = tmp / "bundle"
     bundle.mkdir()
     assert RUNC is not None
@@ -92,15 +94,16 @@ def bundle_for(tmp: Path, tree: Path, rootfs: Path, state: Path, command: str) -
     config["hooks"] = {
         stage: [{"path": str(HOOK), "args": ["cgpu-hook", "--root", str(tree), stage],
                  "env": hook_env, "timeout": 60}]
-        for stage in ("prestart", "poststop")
+        for stage in (start, "poststop")
     }
     (bundle / "config.json").write_text(json.dumps(config, indent=1))
     return bundle
 
 
+@pytest.mark.parametrize("start", START_STAGES)
 @pytest.mark.parametrize("control_tree", [1], indirect=True)
 def test_container_hits_exactly_its_limit(built: Built, control_tree: Path,
-                                          tmp_path: Path) -> None:
+                                          tmp_path: Path, start: str) -> None:
     rootfs = tmp_path / "rootfs"
     make_rootfs(rootfs, built)
     state = tmp_path / "simgpu-state"
@@ -108,7 +111,7 @@ def test_container_hits_exactly_its_limit(built: Built, control_tree: Path,
            "SIMGPU_STATE": str(state), "LD_LIBRARY_PATH": str(built.simgpu_dir)}
     subprocess.run([str(built.workload), "ctx"], env=env, check=True, capture_output=True)
     command = f"/workload alloc {LIMIT} alloc 1 free alloc 1 info; cat /etc/ld.so.preload"
-    bundle = bundle_for(tmp_path, control_tree, rootfs, state, command)
+    bundle = bundle_for(tmp_path, control_tree, rootfs, state, command, start)
     container_id = "e2e" + uuid.uuid4().hex[:20]
     assert RUNC is not None
     try:
