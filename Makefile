@@ -51,8 +51,9 @@ lint: venv
 	$(VENV)/bin/mypy kmod/vm/node/checks.py
 
 # Test tiers: tests/conftest.py gives every test its tier (a table of folders).
-# Each tier has its own per-test timeout; --durations shows the slowest tests.
-PYTEST := $(VENV)/bin/pytest -p no:cacheprovider -q --durations=25
+# Each tier has its own per-test timeout; -rs says why tests skipped (tools/tiers.sh
+# shows the first reason of a tier that ran none), --durations the slowest tests.
+PYTEST := $(VENV)/bin/pytest -p no:cacheprovider -q -rs --durations=25
 
 # unit: no root, no mounts, no containers; as a normal user (tools/as-user.sh
 # drops root to nobody).
