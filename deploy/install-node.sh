@@ -19,12 +19,16 @@
 #   SYSTEMCTL     how to run the node's systemctl
 #                 (default: nsenter --target 1 --mount --uts --ipc --net --pid -- systemctl)
 #   TREE_ROOTS    where to look for the control tree (default: /proc/cgpu_km /run/cgpu_km)
+#   CGPU_HOOK_STAGE  the OCI hook that registers containers: createRuntime (default;
+#                 runc 1.0+, crun, which every CDI-capable engine runs) or prestart
+#                 (deprecated by the OCI spec, for an older runtime)
 set -eu
 
 HOST_ROOT=${1:-/host}
 SOURCE=${CGPU_SOURCE:-/opt/cgpu_km}
 SYSTEMCTL=${SYSTEMCTL:-nsenter --target 1 --mount --uts --ipc --net --pid -- systemctl}
 TREE_ROOTS=${TREE_ROOTS:-/proc/cgpu_km /run/cgpu_km}
+HOOK_STAGE=${CGPU_HOOK_STAGE:-createRuntime}
 PREFIX=/opt/cgpu_km            # the path as the node sees it
 DEST=$HOST_ROOT$PREFIX
 CDI_DIR=$HOST_ROOT/etc/cdi
@@ -37,6 +41,10 @@ fail() { echo "install-node: error: $*" >&2; exit 1; }
 
 [ -d "$HOST_ROOT" ] || fail "host root $HOST_ROOT is not a directory (mount the node's / there)"
 [ -f "$SOURCE/VERSION" ] || fail "$SOURCE/VERSION missing: not a cgpu_km image"
+case $HOOK_STAGE in
+    createRuntime|prestart) ;;
+    *) fail "CGPU_HOOK_STAGE=$HOOK_STAGE: expected createRuntime or prestart" ;;
+esac
 new_version=$(cat "$SOURCE/VERSION")
 old_version=$(cat "$DEST/VERSION" 2>/dev/null || echo none)
 
@@ -61,20 +69,21 @@ for program in $PROGRAMS; do
 done
 
 # 3. The OCI hook as a CDI device (CDI 0.6.0; containerd 1.7+ with enable_cdi,
-#    CRI-O, docker 25+). createRuntime and prestart run at the same point.
+#    CRI-O, docker 25+). runc and crun run createRuntime and prestart at the
+#    same point; the hook's argument names its stage.
 mkdir -p "$CDI_DIR"
 hook=/usr/local/bin/cgpu-hook
 cat > "$CDI_DIR/cgpu.json.tmp" <<SPEC
 {"cdiVersion": "0.6.0", "kind": "aliyun.com/cgpu",
  "devices": [{"name": "shared", "containerEdits": {"env": ["CGPU_HOOKED=1"]}}],
  "containerEdits": {"hooks": [
-   {"hookName": "createRuntime", "path": "$hook",
-    "args": ["cgpu-hook", "prestart"], "env": ["PATH=/usr/bin:/bin"], "timeout": 30},
+   {"hookName": "$HOOK_STAGE", "path": "$hook",
+    "args": ["cgpu-hook", "$HOOK_STAGE"], "env": ["PATH=/usr/bin:/bin"], "timeout": 30},
    {"hookName": "poststop", "path": "$hook",
     "args": ["cgpu-hook", "poststop"], "env": ["PATH=/usr/bin:/bin"], "timeout": 30}]}}
 SPEC
 mv "$CDI_DIR/cgpu.json.tmp" "$CDI_DIR/cgpu.json"
-say "OCI hook described as CDI device aliyun.com/cgpu=shared in /etc/cdi/cgpu.json"
+say "OCI hook (at $HOOK_STAGE, poststop) as CDI device aliyun.com/cgpu=shared in /etc/cdi/cgpu.json"
 
 # 4. The tree and the daemon as services of the node.
 units=""

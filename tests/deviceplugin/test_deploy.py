@@ -127,7 +127,7 @@ def image(tmp_path: Path) -> Path:
 
 
 def run_installer(
-    image: Path, host: Path, tree: Path | None = None
+    image: Path, host: Path, tree: Path | None = None, **extra: str
 ) -> subprocess.CompletedProcess[str]:
     systemctl = host.parent / "systemctl"  # records its arguments, one call a line
     systemctl.write_text(f'#!/bin/sh\necho "$*" >> {host.parent / "systemctl.calls"}\n')
@@ -137,6 +137,7 @@ def run_installer(
         CGPU_SOURCE=str(image),
         SYSTEMCTL=str(systemctl),
         TREE_ROOTS=str(tree) if tree else "/nonexistent",
+        **extra,
     )
     return subprocess.run(
         ["sh", str(INSTALLER), str(host)],
@@ -160,12 +161,27 @@ def test_installer_installs_files_hooks_and_services(image: Path, tmp_path: Path
     assert spec["kind"] == "aliyun.com/cgpu"
     assert [d["name"] for d in spec["devices"]] == ["shared"]
     hooks = {h["hookName"]: h for h in spec["containerEdits"]["hooks"]}
-    assert hooks["createRuntime"]["args"] == ["cgpu-hook", "prestart"]
+    assert hooks["createRuntime"]["args"] == ["cgpu-hook", "createRuntime"]
     assert hooks["poststop"]["args"] == ["cgpu-hook", "poststop"]
+    assert list(hooks) == ["createRuntime", "poststop"]
     assert {h["path"] for h in hooks.values()} == {"/usr/local/bin/cgpu-hook"}
     assert (host / "etc/systemd/system/cgpu-daemon.service").is_file()
     calls = (tmp_path / "systemctl.calls").read_text().splitlines()
     assert calls == ["daemon-reload", "enable --now cgpu-daemon.service cgpu-fuse.service"]
+
+
+def test_installer_hook_stage_for_an_older_runtime(image: Path, tmp_path: Path) -> None:
+    host = tmp_path / "host"
+    host.mkdir()
+    result = run_installer(image, host, CGPU_HOOK_STAGE="prestart")
+    assert result.returncode == 0, result.stderr
+    spec = json.loads((host / "etc/cdi/cgpu.json").read_text())
+    assert [(h["hookName"], h["args"][-1]) for h in spec["containerEdits"]["hooks"]] == [
+        ("prestart", "prestart"), ("poststop", "poststop")]
+    bad = run_installer(image, host, CGPU_HOOK_STAGE="poststart")
+    assert bad.returncode == 1
+    assert bad.stderr == ("install-node: error: CGPU_HOOK_STAGE=poststart: expected "
+                          "createRuntime or prestart\n")
 
 
 def test_installer_is_idempotent_and_hot_updates_a_new_version(image: Path, tmp_path: Path) -> None:
