@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from cgpu_km.container.oci.settings import CONFIG_ENV
+from cgpu_km.container.oci.spec import START_STAGES
 from cgpu_km.demo.dockerd import PrivateDocker
 from cgpu_km.demo.image import build_rootfs, rootfs_tar
-from tests.containers.helpers import IMAGE, WRAPPER, SimHost, built
+from tests.containers.helpers import IMAGE, WRAPPER, RecordingRunc, SimHost, built
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,6 @@ class Image:
 
 @pytest.fixture(scope="session")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Image:
-    if os.geteuid() != 0:
-        pytest.skip("container engines need root")
     if not built():
         pytest.skip("simgpu and libcgpu are not built (make build)")
     folder = tmp_path_factory.mktemp("image")
@@ -45,6 +43,16 @@ def sim(control_tree: Path, tmp_path: Path, runtime_config: Path) -> SimHost:
     host = SimHost(tree=control_tree, folder=tmp_path)
     host.write_config(runtime_config)
     return host
+
+
+@pytest.fixture(params=START_STAGES)
+def recording_runc(request: pytest.FixtureRequest, sim: SimHost, tmp_path: Path,
+                   runtime_config: Path) -> RecordingRunc:
+    """The wrapper runs a RecordingRunc: runc 1.1 (createRuntime), then runc
+    without `features` (prestart)."""
+    runc = RecordingRunc.make(tmp_path, request.param)
+    sim.write_config(runtime_config, (str(runc.path),))
+    return runc
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from cgpu_km.dataplane.attribution import Attribution, measure
 from cgpu_km.dataplane.plane import RegionPlane
 from cgpu_km.dataplane.registry import Registry
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                reason="a pid namespace needs root and unshare(1)")
+pytestmark = pytest.mark.skipif(shutil.which("unshare") is None,
+                                reason="a pid namespace needs unshare(1)")
 MIB = 1 << 20
 
 

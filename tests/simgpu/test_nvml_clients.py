@@ -23,10 +23,6 @@ VENV_BIN = Path(sys.executable).parent
 CLIENTS = ("nvitop", "gpustat")
 MIB = 1 << 20
 
-pytestmark = pytest.mark.skipif(
-    any(importlib.util.find_spec(c) is None for c in CLIENTS),
-    reason="nvitop or gpustat missing: pip install -e '.[test]'")
-
 
 def _site() -> Path:
     spec = importlib.util.find_spec("pynvml")

@@ -536,8 +536,8 @@ def test_engine_settings_come_from_the_state(sim: SimHost) -> None:
 
 def _unshare_pid() -> list[str]:
     """A command prefix that runs in a new PID namespace, or skip."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for PID namespaces")
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) for PID namespaces")
     wrap = ["unshare", "--pid", "--fork", "--mount-proc"]
     if subprocess.run([*wrap, "true"], capture_output=True, check=False).returncode != 0:
         pytest.skip("unshare --pid does not work here")
