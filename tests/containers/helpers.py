@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from cgpu_km import paths
 from cgpu_km.container.oci.settings import DEFAULT_PATH, Settings, render_settings
-from cgpu_km.container.oci.spec import HookCall, SimGpu
+from cgpu_km.container.oci.spec import CREATE_RUNTIME, HookCall, SimGpu
 from cgpu_km.demo.dockerd import PrivateDocker
 from cgpu_km.tree import client as treefs
 
@@ -91,3 +92,53 @@ def run_detached(docker: PrivateDocker, name: str, *args: str,
     docker.check("run", "-d", "-t", "--runtime=cgpu", "--network=none", "--name", name, *args,
                  IMAGE, *command)
     return docker.check("ps", "--filter", f"name=^{name}$", "--format", "{{.ID}}").strip()
+
+
+# runc in front of runc: at each create it appends to LOG the stage -> commands
+# at which the bundle calls cgpu-hook; `features` is runc's own unless told to
+# fail as in runc 1.0, which has no such command.
+RECORDING_RUNC = """#!{python}
+import json, os, shutil, sys
+from pathlib import Path
+from cgpu_km.container.oci.argv import CREATING, parse_argv
+
+args = sys.argv[1:]
+if args[:1] == ["features"] and {old}:
+    sys.exit("runc: No help topic for 'features'")
+call = parse_argv(args, Path.cwd())
+if call.command in CREATING and call.bundle is not None:
+    hooks = json.loads((call.bundle / "config.json").read_text()).get("hooks", {{}})
+    calls = {{stage: [e["args"][-1] for e in entries
+                     if os.path.basename(e["path"]) == "cgpu-hook"]
+             for stage, entries in hooks.items()}}
+    with open({log!r}, "a") as log:
+        log.write(json.dumps({{k: v for k, v in calls.items() if v}}) + "\\n")
+runc = shutil.which("runc")
+os.execv(runc, [runc, *args])
+"""
+
+
+@dataclass(frozen=True)
+class RecordingRunc:
+    """The wrapper's real runtime in the engine tests (RECORDING_RUNC)."""
+
+    path: Path
+    log: Path
+    start: str  # the stage the wrapper should pick for it
+
+    @classmethod
+    def make(cls, folder: Path, start: str) -> RecordingRunc:
+        path, log = folder / "recording-runc", folder / "hook-stages.log"
+        path.write_text(RECORDING_RUNC.format(python=sys.executable, log=str(log),
+                                              old=start != CREATE_RUNTIME))
+        path.chmod(0o755)
+        return cls(path, log, start)
+
+    def creates(self) -> list[dict[str, list[str]]]:
+        """Per container create: stage -> the hook's commands there."""
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+    def expected(self) -> dict[str, list[str]]:
+        return {self.start: [self.start], "poststop": ["poststop"]}

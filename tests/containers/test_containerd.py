@@ -20,7 +20,14 @@ from cgpu_km.children import stop_child
 from cgpu_km.container.oci.settings import CONFIG_ENV
 from cgpu_km.node import cli
 from tests.containers.conftest import Image
-from tests.containers.helpers import LIMIT_6_OF_15, NOTHING, WRAPPER, SimHost, missing
+from tests.containers.helpers import (
+    LIMIT_6_OF_15,
+    NOTHING,
+    WRAPPER,
+    RecordingRunc,
+    SimHost,
+    missing,
+)
 
 pytestmark = [
     pytest.mark.skipif(missing("containerd", "ctr", "runc") is not None,
@@ -87,7 +94,10 @@ def containerd(runtime_config: Path) -> Iterator[Containerd]:
 
 
 def test_ctr_with_the_wrapper_registers_limits_and_removes(
-        containerd: Containerd, image: Image, sim: SimHost, tmp_path: Path) -> None:
+        containerd: Containerd, image: Image, sim: SimHost, tmp_path: Path,
+        recording_runc: RecordingRunc) -> None:
+    """With runc 1.1 the wrapper puts the hook at createRuntime; with a runc
+    that has no `features`, at prestart."""
     rootfs = tmp_path / "rootfs"  # the hook writes into a rootfs: one of the test's own
     shutil.copytree(image.rootfs, rootfs, symlinks=True)
     name = "cgpu-ctr-" + os.urandom(4).hex()
@@ -104,6 +114,7 @@ def test_ctr_with_the_wrapper_registers_limits_and_removes(
         containerd.remove(name)
     assert sim.registered() == NOTHING
     assert sim.leftovers() == []
+    assert recording_runc.creates() == [recording_runc.expected()]
 
 
 def test_installed_cri_runtime_is_what_containerd_reads(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from tests.containers.helpers import (
     NOTHING,
     UUIDS,
     VENV_BIN,
+    RecordingRunc,
     SimHost,
     missing,
     run_detached,
@@ -73,11 +74,16 @@ def test_running_container_is_registered_and_limited_in_exec_too(
     assert sim.leftovers() == []
 
 
-def test_restart_registers_again_and_rm_f_removes(docker: PrivateDocker, sim: SimHost) -> None:
+def test_restart_registers_again_and_rm_f_removes(
+        docker: PrivateDocker, sim: SimHost, recording_runc: RecordingRunc) -> None:
+    """The same with the hook at createRuntime (runc 1.1) and at prestart (a
+    runc without `features`): the wrapper puts one call at one stage."""
     dockerid = run_detached(docker, "gpu_restart", *CGPU_6_OF_15)
     both = {0: {dockerid: LIMIT_6_OF_15}, 1: {dockerid: LIMIT_6_OF_15}}
     assert sim.registered() == both
-    docker.check("restart", "-t", "1", "gpu_restart")  # poststop, then create and prestart
+    assert docker.check("exec", "gpu_restart", "cat", "/etc/ld.so.preload") == \
+        "/usr/local/lib/cgpu/libcgpu.so\n"
+    docker.check("restart", "-t", "1", "gpu_restart")  # poststop, then create and start
     assert sim.registered() == both
     docker.check("stop", "-t", "1", "gpu_restart")
     assert sim.registered() == NOTHING
@@ -86,6 +92,7 @@ def test_restart_registers_again_and_rm_f_removes(docker: PrivateDocker, sim: Si
     docker.check("rm", "-f", "gpu_restart")
     assert sim.registered() == NOTHING
     assert sim.leftovers() == []
+    assert recording_runc.creates() == [recording_runc.expected()] * 3
 
 
 def test_container_that_exits_leaves_nothing(docker: PrivateDocker, sim: SimHost) -> None:
