@@ -1,5 +1,7 @@
 """podman 4.3 with cgpu-hook from the hooks directory that `cgpu-node install`
-writes (`when: always`, the hook decides), on a simulated host. podman keeps
+writes (`when: always`, the hook decides), on a simulated host: at
+createRuntime, as the install picks for runc 1.1, and at prestart, as it
+picks for runtimes without `features`. podman keeps
 its storage in a temporary folder (--root, --runroot); this machine's hard
 limits are below podman's defaults, hence the --ulimit options."""
 
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.node import cli
+from cgpu_km.container.oci.spec import CREATE_RUNTIME, START_STAGES
+from cgpu_km.node import cli, install
 from tests.containers.conftest import Image
 from tests.containers.helpers import DEVICES, IMAGE, LIMIT_6_OF_15, NOTHING, SimHost, missing
 
@@ -32,6 +35,7 @@ LIMITS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]
 class Podman:
     folder: Path
     hooks_dir: Path
+    start: str  # the stage of its start hook
 
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         podman = shutil.which("podman")
@@ -48,8 +52,13 @@ class Podman:
         return result.stdout
 
 
-@pytest.fixture
-def podman(image: Image, sim: SimHost, tmp_path: Path) -> Iterator[Podman]:
+@pytest.fixture(params=START_STAGES)
+def podman(image: Image, sim: SimHost, tmp_path: Path, request: pytest.FixtureRequest,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[Podman]:
+    if request.param == CREATE_RUNTIME:
+        assert install.podman_start_stage() == CREATE_RUNTIME  # runc 1.1 lists it
+    else:
+        monkeypatch.setattr(install, "podman_start_stage", lambda: request.param)
     etc = tmp_path / "etc"
     assert cli.main(["install", "--no-build", "--engines", "podman", "--etc", str(etc),
                      "--bin-dir", str(tmp_path / "bin"), "--prefix", str(tmp_path / "opt"),
@@ -59,7 +68,7 @@ def podman(image: Image, sim: SimHost, tmp_path: Path) -> Iterator[Podman]:
                      *(f"--hook-env={pair}" for pair in sim.hook_env()[1:])]) == 0
     # podman refuses a runroot path longer than 50 characters.
     engine = Podman(Path(tempfile.mkdtemp(prefix="cgpu-podman-")),
-                    etc / "containers" / "oci" / "hooks.d")
+                    etc / "containers" / "oci" / "hooks.d", request.param)
     try:
         engine.check("import", str(image.tar), IMAGE)
         yield engine
@@ -74,14 +83,21 @@ def podman(image: Image, sim: SimHost, tmp_path: Path) -> Iterator[Podman]:
 
 def test_hooks_register_while_running_and_remove(podman: Podman, sim: SimHost) -> None:
     hooks = sorted(p.name for p in podman.hooks_dir.iterdir())
-    assert hooks == ["cgpu-poststop.json", "cgpu-prestart.json"]
-    assert json.loads((podman.hooks_dir / "cgpu-prestart.json").read_text())["when"] == \
-        {"always": True}
+    assert hooks == sorted(["cgpu-poststop.json", f"cgpu-{podman.start}.json"])
+    start = json.loads((podman.hooks_dir / f"cgpu-{podman.start}.json").read_text())
+    assert start["when"] == {"always": True}
+    assert start["stages"] == [podman.start]
+    assert start["hook"]["args"][-1] == podman.start
     full_id = podman.check("run", "-d", "--network=none", *LIMITS, "--name", "gpu_test1",
                            "-e", "ALIYUN_COM_GPU_MEM_CONTAINER=6",
                            "-e", "ALIYUN_COM_GPU_MEM_DEV=15", "-e", "NVIDIA_VISIBLE_DEVICES=0",
                            IMAGE, "sleep", "600").strip()
     assert sim.registered() == {0: {full_id[:12]: LIMIT_6_OF_15}, 1: {}}
+    # One call, at the start stage; podman keeps poststop hooks and runs them itself.
+    config = podman.check("inspect", "--format", "{{.OCIConfigPath}}", "gpu_test1").strip()
+    hooks = json.loads(Path(config).read_text())["hooks"]
+    assert {stage: [h["args"][-1] for h in entries] for stage, entries in hooks.items()} == \
+        {podman.start: [podman.start]}
     assert podman.check("exec", "gpu_test1", "cat", "/etc/ld.so.preload") == \
         "/usr/local/lib/cgpu/libcgpu.so\n"
     podman.check("rm", "-f", "-t", "0", "gpu_test1")
