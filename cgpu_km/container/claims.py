@@ -1,12 +1,13 @@
 """Which container holds a tree id: the hook's record of full OCI ids.
 
 The tree knows a container by the first 12 characters of its OCI id. At
-prestart the hook records the full id in `<claim dir>/<id12>`
-($CGPU_HOOK_STATE_DIR, else /run/cgpu_km-hook), and at poststop it removes
+the container's start (the createRuntime or prestart hook) the hook records
+the full id in `<claim dir>/<id12>` ($CGPU_HOOK_STATE_DIR, else
+/run/cgpu_km-hook), and at poststop it removes
 only what the container holding that record registered. This makes a second
 start of the same container idempotent: when an engine starts a container
 again without having run its poststop (dockerd or containerd was killed),
-the new prestart finds its own record and replaces the old registration.
+the new start finds its own record and replaces the old registration.
 A different container whose id shares the 12 characters is refused while
 the holder is registered, and its poststop leaves the holder alone.
 """
@@ -31,7 +32,7 @@ class Claim(enum.Enum):
 
 
 def decide(recorded: str | None, container_id: str, registered: bool) -> Claim:
-    """What prestart does with a tree id, from the record and the tree."""
+    """What the start does with a tree id, from the record and the tree."""
     if recorded == container_id:
         return Claim.TAKE_OVER
     if recorded is None or not registered:

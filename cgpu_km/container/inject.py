@@ -1,6 +1,6 @@
 """The OCI hook's data-plane steps: a region for the container and libcgpu inside it.
 
-prestart, for an enabled container:
+At the start hook (createRuntime, or prestart), for an enabled container:
   1. `create_region`: its region on the host (`region_path(id12)`, a folder
      only root can enter), limits from the plan, gates closed until the
      daemon grants the first slice, and the container's identity (its init's
@@ -308,7 +308,7 @@ def gpu_specs(ctx: HookContext) -> list[region_mod.GpuSpec]:
 
 
 def create_region(ctx: HookContext, undo: Undo) -> None:
-    """prestart step: the region and the container's identity, on the host."""
+    """Start step: the region and the container's identity, on the host."""
     path = region_mod.region_path(ctx.id12)
     try:
         region_mod.Region.create(path, ctx.id12, gpu_specs(ctx), mode=ctx.plan.mode or "cgpu",
@@ -330,7 +330,7 @@ def create_region(ctx: HookContext, undo: Undo) -> None:
 
 
 def inject_data_plane(ctx: HookContext, undo: Undo) -> None:
-    """prestart step: library, region and preload file inside the container."""
+    """Start step: library, region and preload file inside the container."""
     library = paths.libcgpu()
     if not library.is_file():
         raise HookError(f"{library} not found: build it with `make -C libcgpu` "

@@ -52,7 +52,7 @@ class HookContext:
     bundle: Path
     env: dict[str, str]
     plan: Plan = DISABLED
-    pid: int | None = None  # the container's init process (prestart), from the OCI state
+    pid: int | None = None  # the container's init (at its start), from the OCI state
 
     @property
     def id12(self) -> str:

@@ -2,7 +2,8 @@
 
 Nothing a container writes is believed here. A container's identity (`Owner`)
 is read from /proc at registration, from a process the registrar started
-itself: the container's init at the OCI prestart hook, or `cgpu-run`'s job.
+itself: the container's init at the OCI hook (createRuntime or prestart,
+both before the init's pivot_root), or `cgpu-run`'s job.
 It is the init's pid namespace and cgroup, which its processes cannot leave:
 runc gives them no CAP_SYS_ADMIN, and the cgroup file system is read-only
 inside. A host process belongs to the container when its pid namespace is
