@@ -69,6 +69,9 @@ TIERS = {
     "sched": UNIT,
     "simgpu": INTEGRATION,
     "smi": INTEGRATION,
+    "soak": INTEGRATION,
+    "soak/test_figures.py": UNIT,
+    "soak/test_plan.py": UNIT,
     "systemd": UNIT,
     "unit": UNIT,
 }

@@ -1,0 +1,179 @@
+"""The soak's figures, pure: growth, shares, recovery, errors.
+
+Every share here is counted from the pairs' workloads (sharework's kernels per
+10 ms bucket), never from the daemon's own figures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tests.bench.shares import Report
+
+TARGET = 0.05  # a pair's ratio within 5% of its policy's
+SETTLE = 3.0  # seconds after a fault ends or a write, before a window counts as steady
+BUSY_STEP = 0.25  # a workload is busy in a window when it completes kernels in every step
+RECOVERY_WINDOW = 1.0
+RECOVERY_HOLD = 2.0  # recovered: every 1 s window in the next 2 s within the target
+LOG_WINDOW = 30.0  # how long after a fault its log lines count as its own
+# Error lines a fault explains (daemon log; matched anywhere in the line).
+EXPLAINED = {
+    "fuse-kill": ("tree", "Transport endpoint", "Errno 107", "Errno 2", "ENOTCONN"),
+}
+ERROR = re.compile(r"^cgpu-daemon: (ERROR|CRITICAL): |^Traceback ")
+
+
+def fit_slope(points: Sequence[tuple[float, float, int]]) -> float | None:
+    """Least-squares slope of value over time with an intercept of each segment's own:
+    (time, value, segment). None with fewer than two distinct times in any segment."""
+    by_segment: dict[int, list[tuple[float, float]]] = {}
+    for t, y, segment in points:
+        by_segment.setdefault(segment, []).append((t, y))
+    top = bottom = 0.0
+    for pairs in by_segment.values():
+        mean_t = sum(t for t, _ in pairs) / len(pairs)
+        mean_y = sum(y for _, y in pairs) / len(pairs)
+        top += sum((t - mean_t) * (y - mean_y) for t, y in pairs)
+        bottom += sum((t - mean_t) ** 2 for t, _ in pairs)
+    return top / bottom if bottom > 0 else None
+
+
+def segments(times: Sequence[float], boundaries: Sequence[float], warmup: float
+             ) -> list[int | None]:
+    """Each time's segment between `boundaries` (restarts), None within `warmup` s after
+    the start or a boundary."""
+    marks = sorted(boundaries)
+    found: list[int | None] = []
+    for t in times:
+        index = sum(1 for b in marks if b <= t)
+        since = t - (marks[index - 1] if index else 0.0)
+        found.append(index if since >= warmup else None)
+    return found
+
+
+def count(report: Report, start: float, end: float) -> int:
+    """Kernels completed in [start, end) (CLOCK_MONOTONIC s); whole buckets only."""
+    first = max(0, math.ceil(round((start - report.t0) / report.bucket, 6)))
+    last = min(len(report.buckets), math.floor(round((end - report.t0) / report.bucket, 6)))
+    return sum(report.buckets[first:last]) if last > first else 0
+
+
+def busy(report: Report, start: float, end: float, step: float = BUSY_STEP) -> bool:
+    """Whether it completed kernels in every `step` of [start, end)."""
+    t = start
+    while t + step <= end + 1e-9:
+        if count(report, t, t + step) == 0:
+            return False
+        t += step
+    return True
+
+
+def ratio_error(first: int, second: int, expected: float) -> float:
+    """(second/first) / expected - 1; inf when the first completed nothing."""
+    return math.inf if first == 0 else second / first / expected - 1
+
+
+@dataclass(frozen=True)
+class Window:
+    gpu: int
+    start: float  # seconds from the soak's start
+    expected: float
+    error: float
+
+    @property
+    def held(self) -> bool:
+        return abs(self.error) <= TARGET
+
+
+def steady_windows(first: Report, second: Report, gpu: int, t0: float,
+                   span: tuple[float, float], length: float,
+                   quiet: Callable[[float, float], bool],
+                   expected: Callable[[float], float | None]) -> list[Window]:
+    """The windows of `length` s in `span` (seconds from the soak's start) where
+    `quiet(start, end)` (no fault, write or restart near) and both workloads were busy
+    the whole window; each with its ratio's error against `expected(start)`."""
+    found = []
+    start = span[0]
+    while start + length <= span[1]:
+        end = start + length
+        want = expected(start)
+        if want is not None and want == expected(end) and quiet(start, end):
+            a, b = t0 + start, t0 + end
+            if busy(first, a, b) and busy(second, a, b):
+                found.append(Window(gpu, start, want,
+                                    ratio_error(count(first, a, b), count(second, a, b), want)))
+        start += length
+    return found
+
+
+def recovery(first: Report, second: Report, t0: float, at: float, until: float,
+             expected: Callable[[float], float | None]) -> float | None:
+    """Seconds from `at` (from the soak's start) to the first time from which every
+    1 s window in the next 2 s has both workloads busy and their ratio within the
+    target; None if that never happens before `until`."""
+    step = 0.1
+    t = at
+    while t + RECOVERY_HOLD + RECOVERY_WINDOW <= until:
+        ok = True
+        k = 0.0
+        while ok and k <= RECOVERY_HOLD + 1e-9:
+            a, b = t0 + t + k, t0 + t + k + RECOVERY_WINDOW
+            want = expected(t + k)
+            ok = (want is not None and busy(first, a, b) and busy(second, a, b)
+                  and abs(ratio_error(count(first, a, b), count(second, a, b), want))
+                  <= TARGET)
+            k += 0.5
+        if ok:
+            return round(t - at, 3)
+        t += step
+    return None
+
+
+def stall(first: Report, second: Report, t0: float, at: float, seconds: float = 15.0
+          ) -> float:
+    """The longest time in [at, at + seconds] in which either workload completed nothing."""
+    longest = 0.0
+    for report in (first, second):
+        begin = max(0, math.floor((t0 + at - report.t0) / report.bucket))
+        end = min(len(report.buckets), begin + round(seconds / report.bucket))
+        gap = 0
+        for n in report.buckets[begin:end]:
+            gap = 0 if n else gap + 1
+            longest = max(longest, gap * report.bucket)
+    return round(longest, 3)
+
+
+def timed_lines(text: str, sizes: Sequence[tuple[float, int]]) -> list[tuple[float, str]]:
+    """Each line of a log with the first sample time at which the log held all of it
+    (`sizes`: (time, bytes) in time order); lines past the last sample get its time."""
+    found = []
+    offset = 0
+    index = 0
+    last = sizes[-1][0] if sizes else 0.0
+    for line in text.splitlines(keepends=True):
+        offset += len(line.encode())
+        while index < len(sizes) and sizes[index][1] < offset:
+            index += 1
+        found.append((sizes[index][0] if index < len(sizes) else last, line.rstrip("\n")))
+    return found
+
+
+def unexplained_errors(lines: Sequence[tuple[float, str]],
+                       faults: Sequence[tuple[str, float]]) -> list[tuple[float, str]]:
+    """Error lines (level ERROR or CRITICAL, or a traceback) that no fault explains: a
+    fault explains a line logged within `LOG_WINDOW` s after it that names one of
+    its kind's `EXPLAINED` texts."""
+    found = []
+    for at, line in lines:
+        if not ERROR.search(line):
+            continue
+        explained = any(
+            start - 1 <= at <= start + LOG_WINDOW and any(text in line for text in
+                                                         EXPLAINED.get(kind, ()))
+            for kind, start in faults)
+        if not explained:
+            found.append((at, line))
+    return found

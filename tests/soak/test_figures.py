@@ -1,0 +1,71 @@
+"""The soak's figures: growth fits, steady windows, recovery, stalls, error lines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.bench.shares import Report
+from tests.soak import figures
+
+
+def report(t0: float, rates: list[int], seconds: float) -> Report:
+    """A workload that completes rates[k] kernels in each 10 ms bucket of second k."""
+    buckets = tuple(rates[int(k * 0.01)] for k in range(round(seconds / 0.01)))
+    return Report(t0=t0, bucket=0.01, buckets=buckets, per_proc=(sum(buckets),))
+
+
+def test_the_slope_is_fitted_within_segments_with_their_own_intercepts() -> None:
+    # Two daemons: each grows 2 per second from its own start value.
+    points = [(t, 100 + 2 * t, 0) for t in range(10)]
+    points += [(t, 2 * (t - 10), 1) for t in range(10, 20)]
+    assert figures.fit_slope(points) == pytest.approx(2.0)
+    assert figures.fit_slope([(1, 5, 0)]) is None
+
+
+def test_segments_start_at_restarts_and_leave_out_their_warmup() -> None:
+    assert figures.segments([1, 11, 21, 26, 40], [20], warmup=5) == [None, 0, None, 1, 1]
+
+
+def test_steady_windows_judge_the_ratio_only_where_both_were_busy_and_quiet() -> None:
+    t0 = 1000.0
+    first = report(t0, [1] * 10, 10)
+    second = report(t0, [2, 2, 2, 2, 3, 2, 2, 0, 2, 2], 10)
+
+    def quiet(start: float, end: float) -> bool:
+        return not (start < 6 and end > 5)  # a fault at 5..6 s
+
+    windows = figures.steady_windows(first, second, 0, t0, (0, 10), 1.0, quiet,
+                                     lambda _t: 2.0)
+    assert [w.start for w in windows] == [0, 1, 2, 3, 4, 6, 8, 9]  # 5: fault, 7: idle
+    assert [w.held for w in windows] == [True] * 4 + [False] + [True] * 3
+    assert windows[4].error == pytest.approx(0.5)
+
+
+def test_recovery_is_the_first_time_shares_hold_for_the_next_seconds() -> None:
+    t0 = 50.0
+    first = report(t0, [1] * 12, 12)
+    second = report(t0, [2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2], 12)
+    assert figures.recovery(first, second, t0, 2.0, 12.0, lambda _t: 2.0) == 3.0
+    assert figures.recovery(first, second, t0, 2.0, 7.0, lambda _t: 2.0) is None
+    assert figures.stall(first, second, t0, 2.0) == 1.0
+
+
+def test_ratio_error_of_nothing_is_infinite() -> None:
+    assert math.isinf(figures.ratio_error(0, 5, 1.0))
+
+
+def test_log_lines_get_the_time_the_log_first_held_them() -> None:
+    text = "a\nbb\nccc\n"
+    assert figures.timed_lines(text, [(1.0, 2), (2.0, 5), (3.0, 9)]) == [
+        (1.0, "a"), (2.0, "bb"), (3.0, "ccc")]
+
+
+def test_error_lines_are_explained_only_by_a_fault_of_their_kind_soon_before() -> None:
+    lines = [(10.0, "cgpu-daemon: ERROR: tree read failed"),
+             (12.0, "cgpu-daemon: INFO: fine"),
+             (50.0, "cgpu-daemon: ERROR: tree read failed"),
+             (11.0, "cgpu-daemon: ERROR: something else")]
+    faults = [("fuse-kill", 9.5), ("daemon-kill", 45.0)]
+    assert figures.unexplained_errors(lines, faults) == [lines[2], lines[3]]
