@@ -106,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.count_gpus or args.module_params:
         return probe_gpus(args)
+    # CGPU_DAEMON_LOG_LEVELS=1 names each line's level (the soak counts the errors).
+    levels = "%(levelname)s: " if os.environ.get("CGPU_DAEMON_LOG_LEVELS") == "1" else ""
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
-        format="cgpu-daemon: %(message)s", stream=sys.stderr,
+        format=f"cgpu-daemon: {levels}%(message)s", stream=sys.stderr,
     )
     try:
         settings = Settings(period=args.period, slice=args.slice,
