@@ -14,7 +14,8 @@ container's environment (its bundle's config.json) into a plan
 records how to undo what it did, and when a step fails everything done so
 far is undone, so a failed start leaves nothing behind. A second start of
 the same container (started again without its poststop) replaces what the
-first registered (cgpu_km.container.claims). `poststop` runs POSTSTOP_STEPS, each
+first registered (cgpu_km.container.claims); a second call in the same
+start (the hook configured at both stages) does nothing. `poststop` runs POSTSTOP_STEPS, each
 idempotent, unless another container holds the id. Errors are one line on
 stderr; a bad environment value exits 2, any other failure 1.
 """
@@ -55,6 +56,8 @@ from cgpu_km.container.steps import (
     PrestartStep,
     Undo,
 )
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
 from cgpu_km.fileio import FileError, read_json_object
 from cgpu_km.gpus import GpuError, discover_gpus
 from cgpu_km.tree import client as treefs
@@ -139,6 +142,18 @@ def release_id(ctx: HookContext) -> None:
     except OSError as error:
         raise HookError(f"removing {claims.claim_dir() / ctx.id12} failed: "
                         f"{error.strerror}") from None
+
+
+def started_already(ctx: HookContext) -> bool:
+    """Whether this very start of the container ran the hook already (a
+    config with the hook at both createRuntime and prestart): the container
+    holds its id, is registered, and its region records this init process."""
+    if ctx.pid is None or claims.read(ctx.id12) != ctx.container_id or not is_registered(ctx):
+        return False
+    recorded = kernelview.read_owner(region_mod.region_path(ctx.id12))
+    current = kernelview.owner_of(ctx.pid, cgroups=False)
+    return (recorded is not None and current is not None and recorded.pid == ctx.pid
+            and recorded.start_time == current.start_time)
 
 
 # The region comes before the registration, so that the daemon finds it as
@@ -293,8 +308,13 @@ def cmd_prestart(args: argparse.Namespace) -> int:
     ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,
                       env=env, plan=make_plan(env, root, device_nodes),
                       pid=state.pid)
-    if ctx.plan.enabled:
-        run_prestart_steps(ctx, PRESTART_STEPS, sys.stderr)
+    if not ctx.plan.enabled:
+        return 0
+    if started_already(ctx):
+        print(f"{PROG}: warning: {ctx.id12} is registered by this start already (the hook "
+              "is configured at two stages): nothing to do", file=sys.stderr)
+        return 0
+    run_prestart_steps(ctx, PRESTART_STEPS, sys.stderr)
     return 0
 
 

@@ -16,6 +16,8 @@ import pytest
 from cgpu_km.container import hook, steps
 from cgpu_km.container.envplan import MIB
 from cgpu_km.container.oci.spec import START_STAGES
+from cgpu_km.dataplane import kernelview
+from cgpu_km.dataplane import region as region_mod
 from cgpu_km.gpus import GpuError, GpuInfo
 from cgpu_km.tree import client as treefs
 
@@ -144,6 +146,28 @@ def test_start_registers_on_each_gpu_and_poststop_removes(
     assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0
     assert registered(control_tree) == {k: {} for k in range(4)}
     assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0  # idempotent
+
+
+@FOUR
+def test_the_hook_at_both_stages_registers_once(
+    control_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """prestart then createRuntime for one start (one init process): the
+    second call leaves the first's registration and region as they are."""
+    bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "3"})
+    assert run_hook(monkeypatch, control_tree, "prestart", bundle) == 0
+    first = registered(control_tree)
+    owner = (region_mod.region_path(ID12) / kernelview.OWNER_NAME).read_bytes()
+    capsys.readouterr()
+    assert run_hook(monkeypatch, control_tree, "createRuntime", bundle) == 0
+    assert capsys.readouterr().err == (
+        f"cgpu-hook: warning: {ID12} is registered by this start already (the hook is "
+        "configured at two stages): nothing to do\n")
+    assert registered(control_tree) == first
+    assert (region_mod.region_path(ID12) / kernelview.OWNER_NAME).read_bytes() == owner
+    assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0
+    assert registered(control_tree) == {k: {} for k in range(4)}
 
 
 @FOUR

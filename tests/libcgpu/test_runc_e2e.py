@@ -94,13 +94,13 @@ def bundle_for(tmp: Path, tree: Path, rootfs: Path, state: Path, command: str,
     config["hooks"] = {
         stage: [{"path": str(HOOK), "args": ["cgpu-hook", "--root", str(tree), stage],
                  "env": hook_env, "timeout": 60}]
-        for stage in (start, "poststop")
+        for stage in (*(START_STAGES if start == "both" else (start,)), "poststop")
     }
     (bundle / "config.json").write_text(json.dumps(config, indent=1))
     return bundle
 
 
-@pytest.mark.parametrize("start", START_STAGES)
+@pytest.mark.parametrize("start", [*START_STAGES, "both"])  # both: one start calls it twice
 @pytest.mark.parametrize("control_tree", [1], indirect=True)
 def test_container_hits_exactly_its_limit(built: Built, control_tree: Path,
                                           tmp_path: Path, start: str) -> None:
