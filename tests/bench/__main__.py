@@ -15,7 +15,9 @@ again under SIMGPU_SCHED=fifo:
   3 of 8), against its solo throughput;
 - p1: policy 1, two containers 1:1;
 - latency: an interactive container's request latency beside busy
-  neighbours, under no scheduler and policies 1, 2 and 4 (`latency`).
+  neighbours, under no scheduler and policies 1, 2 and 4 (`latency`);
+- loaded: shares and latency again beside 2 and 4 CPU-bound processes per
+  core, the latency against no scheduler under the same load (`loaded`).
 
 Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu), what
 libcgpu adds to launches and allocations (libcgpu), and the data plane's
@@ -41,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.bench import attacks, deadlines, latency, libcgpu_bench, stops
+from tests.bench import attacks, deadlines, latency, libcgpu_bench, loaded, stops
 from tests.bench.shares import (
     STEADY_AFTER,
     Report,
@@ -62,8 +64,8 @@ ENGINES: tuple[tuple[str, str | None], ...] = (
     ("default engine (SIMGPU_SCHED unset)", None),
     ("SIMGPU_SCHED=fifo", "fifo"),
 )
-PARTS = ("shares", "switch", "caps", "p1", "latency", "cpu", "libcgpu", "deadlines", "stops",
-         "attacks")
+PARTS = ("shares", "switch", "caps", "p1", "latency", "loaded", "cpu", "libcgpu", "deadlines",
+         "stops", "attacks")
 # Targets: |error| of the 1:2 ratio, and what switching and caps must keep.
 WHOLE_TARGET, STEADY_TARGET, WINDOW_TARGET = 0.05, 0.02, 0.08
 # ... and of ctr1's share in any 1 s window, in points, where kernels are 1 ms or shorter.
@@ -257,6 +259,24 @@ def latency_table(base: Path, root: Path, quick: bool, slice_s: float | None) ->
           f"{latency.P99_TARGET:g}x) {verdict(worst <= latency.P99_TARGET)}\n")
 
 
+def loaded_host(base: Path, root: Path, quick: bool, slice_s: float | None) -> None:
+    """`loaded`'s shares and latency rows on one simulated host, default engine."""
+    host = SimHost(base / "loaded", root, gpus=8, env={"SIMGPU_SCHED": None})
+    slice_note = "default slice" if slice_s is None else f"slice {slice_s * 1000:g} ms"
+    print(f"=== loaded host: default engine, daemon period {PERIOD * 1000:g} ms, "
+          f"{slice_note} ===\n")
+    try:
+        host.start_daemon(PERIOD, *(() if slice_s is None else ("--slice", str(slice_s))))
+        loads = loaded.QUICK_LOADS if quick else loaded.LOADS
+        loaded.share_rows(Engine(host, seconds=3.0 if quick else 8.0, resolve=False),
+                          loaded.QUICK_KERNELS_US if quick else loaded.KERNELS_US, loads)
+        loaded.latency_rows(Engine(host, seconds=2.0 if quick else 3.0),
+                            loaded.QUICK_LATENCY_ROWS if quick else loaded.LATENCY_ROWS, loads)
+        print_stops(host, "loaded host")
+    finally:
+        host.close()
+
+
 def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool,
                  slice_s: float | None) -> None:
     procs_list = (1, 8) if quick else PROCS
@@ -374,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                              args.slice))
     if "latency" in parts:
         simulated.append(lambda base, root: latency_table(base, root, args.quick, args.slice))
+    if "loaded" in parts:
+        simulated.append(lambda base, root: loaded_host(base, root, args.quick, args.slice))
     if "cpu" in parts:
         simulated.append(lambda base, root: daemon_cpu(base, root, args.quick))
     if simulated and why is not None:
