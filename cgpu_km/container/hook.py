@@ -15,9 +15,11 @@ records how to undo what it did, and when a step fails everything done so
 far is undone, so a failed start leaves nothing behind. A second start of
 the same container (started again without its poststop) replaces what the
 first registered (cgpu_km.container.claims); a second call in the same
-start (the hook configured at both stages) does nothing. `poststop` runs POSTSTOP_STEPS, each
-idempotent, unless another container holds the id. Errors are one line on
-stderr; a bad environment value exits 2, any other failure 1.
+start (the hook configured at both stages) does nothing, and a call once
+the init has left the runtime's root (a later stage) is refused.
+`poststop` runs POSTSTOP_STEPS, each idempotent, unless another container
+holds the id. Errors are one line on stderr; a bad environment value exits
+2, any other failure 1.
 """
 
 from __future__ import annotations
@@ -204,6 +206,18 @@ def read_state(stream: TextIO) -> OciState:
                     pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
 
 
+def pivoted(pid: int) -> bool:
+    """Whether the container's init has left the runtime's root: then it is
+    past createRuntime and prestart (a config with the hook at poststart),
+    and its processes may run already. The state's status cannot tell:
+    runc says `created` at poststart, as crun does at prestart."""
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/root"), os.stat("/")
+    except OSError:
+        return False  # gone or unreadable: the steps say what is wrong
+    return (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino)
+
+
 def container_config(bundle: Path) -> dict[str, object]:
     """`<bundle>/config.json`."""
     try:
@@ -303,6 +317,10 @@ def cmd_prestart(args: argparse.Namespace) -> int:
         raise HookError(str(error), EXIT_BAD_VALUE) from None
     if not enabled:
         return 0
+    if state.pid is not None and pivoted(state.pid):
+        raise HookError(f"container {state.container_id[:12]} has left the runtime's root "
+                        f"(pivot_root): cgpu-hook {args.command} must run at createRuntime or "
+                        "prestart, before its processes start")
     root = treefs.resolve_root(args.root)
     require_tree(root)
     ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,

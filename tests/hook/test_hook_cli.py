@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,6 +170,22 @@ def test_the_hook_at_both_stages_registers_once(
     assert (region_mod.region_path(ID12) / kernelview.OWNER_NAME).read_bytes() == owner
     assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0
     assert registered(control_tree) == {k: {} for k in range(4)}
+
+
+def test_pivoted_tells_an_init_that_left_the_root(tmp_path: Path) -> None:
+    assert not hook.pivoted(os.getpid())
+    assert not hook.pivoted(2 ** 22 + 1)  # no such process: the steps will say
+    if os.geteuid() != 0:
+        pytest.skip("chroot needs root")
+    code = "import os, sys, time; os.chroot(sys.argv[1]); print(flush=True); time.sleep(60)"
+    with subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                          stdout=subprocess.PIPE) as child:
+        try:
+            assert child.stdout is not None
+            child.stdout.readline()
+            assert hook.pivoted(child.pid)
+        finally:
+            child.kill()
 
 
 @FOUR

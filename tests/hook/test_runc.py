@@ -73,6 +73,7 @@ class Runc:
     created: list[str]
     foreground: list[subprocess.Popen[bytes]]
     start: str = "createRuntime"  # the stage that registers
+    command: str | None = None  # the hook's command there, if not the stage's name
 
     def bundle(self, env: dict[str, str], name: str,
                args: tuple[str, ...] = ("sleep", "600")) -> Path:
@@ -89,9 +90,10 @@ class Runc:
                     f"SIMGPU_DEVICES={DEVICES}", f"SIMGPU_STATE={self.state_file}",
                     f"CGPU_SIMGPU_DIR={simgpu_lib_dir()}"]
         config["hooks"] = {
-            stage: [{"path": str(HOOK), "args": ["cgpu-hook", "--root", str(self.tree), stage],
+            stage: [{"path": str(HOOK), "args": ["cgpu-hook", "--root", str(self.tree), command],
                      "env": hook_env, "timeout": 60}]
-            for stage in (self.start, "poststop")
+            for stage, command in ((self.start, self.command or self.start),
+                                   ("poststop", "poststop"))
         }
         (bundle / "config.json").write_text(json.dumps(config, indent=1))
         return bundle
@@ -320,4 +322,19 @@ def test_container_that_exits_by_itself_leaves_nothing(runc: Runc, control_tree:
     assert seen == {0: {}, 1: {id12: (TOTALS[1] * 2 // 16, 1, 0, 0)}, 2: {},
                     3: {id12: (TOTALS[3] * 2 // 16, 1, 0, 0)}}
     assert runc.status(container_id) == "absent"
+    assert containers(control_tree) == EMPTY
+
+
+def test_the_hook_at_a_later_stage_refuses_and_runc_stops_the_container(
+    runc: Runc, control_tree: Path
+) -> None:
+    """A config that calls the start command at poststart, once the
+    container's process runs: the hook refuses, so runc kills the container."""
+    runc.start, runc.command = "poststart", "createRuntime"
+    container_id, result = runc.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "3"})
+    assert result.returncode != 0
+    assert (f"cgpu-hook: container {container_id[:12]} has left the runtime's root "
+            "(pivot_root): cgpu-hook createRuntime must run at createRuntime or prestart, "
+            "before its processes start") in result.stderr, result.stderr
+    assert runc.status(container_id) in ("absent", "stopped")
     assert containers(control_tree) == EMPTY
