@@ -1,0 +1,40 @@
+"""A one-minute soak (`make soak` runs ten): churn, live writes and every fault kind on
+a simulated 8-GPU node, with the soak's properties as assertions. Timings (how long
+each fault took, recovery, the daemon's growth) are printed, never asserted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.attacks.node import missing
+from tests.soak import report
+from tests.soak.runner import run_plan
+
+SEED = 1
+SECONDS = 60.0
+WINDOW = 2.0
+
+pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
+
+
+def test_a_minute_of_churn_and_faults_leaves_nothing_and_holds_every_limit(
+        tmp_path: Path) -> None:
+    _events, record = run_plan(SEED, SECONDS, 8, tmp_path)
+    summary = report.summarize(record, WINDOW)
+    print(report.table(summary))
+    print(report.plot(record, tmp_path / "soak.png"))
+    assert summary.started["docker"] > 0
+    assert summary.started["runc"] > 0
+    assert summary.probed > 0
+    assert summary.broken == []
+    assert {kind for kind, f in summary.faults.items() if f.count} == set(summary.faults)
+    assert [f"{f.kind}: {f.note}" for f in record.faults
+            if f.done is None and f.kind != "launch-kill"] == []
+    assert summary.lost == 0
+    assert summary.errors == []
+    assert {k: v for k, v in summary.leftovers.items() if v} == {}
+    # Shares, where a window could be judged (both workloads busy all of it, no fault,
+    # restart or write near): every one within 5% of its policy's.
+    assert [w for w in summary.windows if not w.held] == []
