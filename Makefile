@@ -19,7 +19,7 @@ APT_PACKAGES := fuse libfuse2 busybox-static runc prometheus systemd kmod util-l
 C_DIRS := simgpu libcgpu
 TIERS := unit integration system
 
-.PHONY: all setup apt venv build $(C_DIRS) demo check test $(TIERS:%=test-%) lint bench fuzz \
+.PHONY: all setup apt venv build $(C_DIRS) demo check test $(TIERS:%=test-%) lint bench soak fuzz \
 	clean $(C_DIRS:%=clean-%) clean-kmod
 
 all: build
@@ -75,6 +75,16 @@ test: setup lint
 
 bench: setup
 	$(PY) -m tests.bench
+
+# A simulated 8-GPU node under churn, live writes and faults (tests/soak): a table,
+# and build/soak/soak.csv and soak.png (matplotlib: the bench extra). MINUTES=10.
+MINUTES ?= 10
+$(VENV)/.bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+soak: setup $(VENV)/.bench
+	$(PY) -m tests.soak --minutes $(MINUTES)
 
 # Property tests with new random examples, many more of them (make test draws the
 # same ones every run): a failure found here becomes an @example.
