@@ -58,12 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {fault.kind} at {fault.at:.1f} s: {fault.note}")
     for at, line in summary.errors[:20]:
         print(f"  error at {at:.0f} s: {line}")
-    (args.out / "table.txt").write_text(text + "\n")
-    (args.out / "daemon.log").write_text(record.daemon_log)
-    report.write_csv(record, args.out / "soak.csv")
-    report.write_probes(record, args.out / "probes.csv")
-    print(f"csv: {args.out / 'soak.csv'}")
-    print(report.plot(record, args.out / "soak.png"))
+    for line in report.write_outputs(record, summary, args.out):
+        print(line)
     return 0
 
 

@@ -4,15 +4,17 @@
 order (seconds from its start):
 
 - `Pair`: on every GPU two long-running workloads with weights, whose
-  kernel counts are the shares the soak judges; a new pair is started at 0,
-  every `PAIR_EPOCH` seconds, and after each restart of cgpu-fuse (which
+  kernel counts are the shares the soak judges; a pair at 0 (started before
+  the soak's clock), and a new one after each restart of cgpu-fuse (which
   forgets every registration);
 - `Start`: a churn container (Docker or runc) with a seeded configuration:
   cGPU or eGPU memory, weight, highprio, a cap, how long it lives and what
   its workload launches; it probes its limit first;
 - `Write`: a live write to the control tree (a pair's weight, a GPU's
   policy or max_inst, a churn container's memsize);
-- `Fault`: one of `FAULTS`, spaced evenly, kinds taken in a seeded order.
+- `Fault`: one of `FAULTS`, spaced evenly, kinds taken in a seeded order,
+  each round of them ending with cgpu-fuse's restart (whose new pair takes a
+  while to start).
 
 Nothing here runs anything: the runner (`tests.soak.runner`) executes the plan.
 """
@@ -30,7 +32,6 @@ ENGINES = ("docker", "runc")
 FAULTS = ("daemon-kill", "upgrade", "fuse-kill", "launch-kill", "oom-hang", "bypass")
 SHARE_POLICIES = (1, 2, 4)  # policies whose share of a pair is a ratio of its weights
 INITIAL_POLICY = 2  # the soak writes it on every GPU at the start and after a remount
-PAIR_EPOCH = 120.0
 PAIR_DELAY = 3.0  # after a cgpu-fuse restart, before the next pair
 FIRST_START = 2.0  # churn and writes begin once the pairs run
 MAX_FAULT_SPACING = 30.0
@@ -140,12 +141,12 @@ def make_plan(seed: int, seconds: float, gpus: int = 8, *, churn_every: float = 
               write_every: float = 5.0) -> list[Event]:
     """Every event of a `seconds` soak on `gpus` GPUs, in time order."""
     rng = random.Random(seed)
-    order = list(FAULTS)
+    order = [kind for kind in FAULTS if kind != "fuse-kill"]
     rng.shuffle(order)
+    order.append("fuse-kill")
     faults = [Fault(at, order[k % len(order)], rng.randrange(gpus))
               for k, at in enumerate(fault_times(seconds))]
-    pair_starts = sorted({0.0, *(f.at + PAIR_DELAY for f in faults if f.kind == "fuse-kill"),
-                          *(k * PAIR_EPOCH for k in range(1, int(seconds // PAIR_EPOCH) + 1))})
+    pair_starts = sorted({0.0, *(f.at + PAIR_DELAY for f in faults if f.kind == "fuse-kill")})
     pair_starts = [at for at in pair_starts if at < seconds - 1]
     ends = [*pair_starts[1:], seconds]
     events: list[Event] = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ class FaultFigures:
     kind: str
     count: int = 0
     done: list[float] = field(default_factory=list)  # seconds the fault itself took
-    recovered: list[float | None] = field(default_factory=list)  # per fault: slowest GPU
+    recovered: list[float | None] = field(default_factory=list)  # per fault: median GPU
     stalls: list[float] = field(default_factory=list)
     lost: int = 0
     notes: list[str] = field(default_factory=list)
@@ -114,18 +115,16 @@ def summarize(record: Record, window: float) -> Summary:
             got.notes.append(fault.note)
         got.lost += len(fault.lost)
         until = ordered[k + 1].at if k + 1 < len(ordered) else record.seconds
-        slowest: float | None = 0.0
-        judged = False
+        backs: list[float | None] = []
         for run in record.pairs:
             if run.first is None or run.second is None or not run.at <= trigger < run.until:
                 continue
-            judged = True
             got.stalls.append(figures.stall(run.first, run.second, record.t0, trigger))
             back = figures.recovery(run.first, run.second, record.t0, trigger,
                                     min(until, run.until), expected_of(record.applied, run.gpu))
-            slowest = None if back is None or slowest is None else max(slowest, back)
-        if judged:
-            got.recovered.append(slowest)
+            backs.append(back)
+        if backs:
+            got.recovered.append(median_or_never(backs))
     lines = figures.timed_lines(record.daemon_log, [(s.at, s.log_bytes)
                                                     for s in record.samples])
     errors = figures.unexplained_errors(lines, [(f.kind, f.at) for f in record.faults])
@@ -140,6 +139,12 @@ def summarize(record: Record, window: float) -> Summary:
         rss_growth=figures.fit_slope(rss), fds=(samples[0].fds, samples[-1].fds)
         if samples else (0, 0), fds_growth=figures.fit_slope(fds), windows=windows,
         faults=faults, leftovers=record.leftovers, errors=errors, warnings=warnings)
+
+
+def median_or_never(values: Sequence[float | None]) -> float | None:
+    """The median, where never (None) counts as longer than any time."""
+    ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def seconds_text(values: Sequence[float | None]) -> str:
@@ -177,7 +182,7 @@ def table(s: Summary) -> str:
     width = max(len(r[0]) for r in rows)
     out = [f"{name:<{width}} | {value:<34} | {target}" for name, value, target in rows]
     out.append("")
-    head = (f"{'fault':<12} | {'n':>2} | {'fault took s':>12} | {'recovered s, med / max':>26} | "
+    head = (f"{'fault':<12} | {'n':>2} | {'fault took s':>12} | {'GPUs back s, med / max':>26} | "
             f"{'stall max s':>11} | lost")
     out += [head, "-" * len(head)]
     for f in s.faults.values():
@@ -280,3 +285,15 @@ def plot(record: Record, path: Path) -> str:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return f"plot: {path}"
+
+
+def write_outputs(record: Record, summary: Summary, out: Path) -> list[str]:
+    """table.txt, soak.csv, probes.csv, daemon.log and soak.png under `out`; what was
+    written, one line each."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.txt").write_text(table(summary) + "\n")
+    (out / "daemon.log").write_text(record.daemon_log)
+    write_csv(record, out / "soak.csv")
+    write_probes(record, out / "probes.csv")
+    return [f"table: {out / 'table.txt'}", f"csv: {out / 'soak.csv'}, {out / 'probes.csv'}",
+            plot(record, out / "soak.png")]

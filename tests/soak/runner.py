@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -122,6 +122,9 @@ class Record:
     leftovers: dict[str, list[str]] = field(default_factory=dict)
     daemon_log: str = ""
     applied: list[Event] = field(default_factory=list)  # the pairs and writes that took
+
+
+Made = tuple[int, Container, Container]  # a GPU and its pair's containers
 
 
 class SoakNode(Node):
@@ -307,6 +310,10 @@ class Soak:
 
     def run(self, events: Sequence[Event], seconds: float) -> Record:
         assert self.node is not None
+        first = events[0] if events and isinstance(events[0], Pair) else None
+        ready = None
+        if first is not None:  # its workloads start with the soak's clock
+            ready = self.make_pair(first, lambda: seconds - 0.5 - 3)
         record = Record(seconds, self.gpus, time.monotonic())
         sampler = threading.Thread(target=self.sample, args=(record,), daemon=True)
         sampler.start()
@@ -318,7 +325,8 @@ class Soak:
             if delay > 0:
                 time.sleep(delay)
             if isinstance(event, Pair):
-                pending.append(pool.submit(self.pair, record, event))
+                pending.append(pool.submit(self.pair, record, event,
+                                           ready if event is first else None))
             elif isinstance(event, Start):
                 pending.append(pool.submit(self.churn, record, event))
             elif isinstance(event, Write):
@@ -367,48 +375,20 @@ class Soak:
 
     # -- pairs --
 
-    def pair(self, record: Record, event: Pair) -> None:
-        """Start the pair's containers on every GPU, run their workloads to `until`,
-        read their counts, remove them."""
-        assert self.node is not None
-        node = self.node
-        made: list[tuple[int, Container, Container]] = []
-        base = self.base_container
-
-        def start(gpu: int, weight: int) -> Container:
-            """A pair's container, on the root filesystem of the soak's first one."""
-            container, code, errors = node.try_container(
-                {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_MEM_DEV": "15",
-                 "ALIYUN_COM_GPU_SCHD_WEIGHT": str(weight), "NVIDIA_VISIBLE_DEVICES": str(gpu)},
-                rootfs_of=base)
-            self.ids.add(container.id)
-            if code != 0:
-                node.remove(container, keep_rootfs=True)
-                raise RuntimeError(f"a pair's container: {last_error(errors)}")
-            return container
-
+    def pair(self, record: Record, event: Pair,
+             ready: tuple[list[Made], dict[tuple[int, int], ShareJob]] | None = None) -> None:
+        """Start the pair's containers on every GPU (unless `ready`), run their workloads
+        to `until`, read their counts, remove them."""
+        made, jobs = ready or self.make_pair(
+            event, lambda: record.t0 + event.until - time.monotonic() - 3)
         try:
-            with ThreadPoolExecutor(max_workers=4) as starting:
-                futures = {gpu: [starting.submit(start, gpu, w) for w in event.weights[gpu]]
-                           for gpu in range(self.gpus)}
-                for gpu, (f1, f2) in futures.items():
-                    try:
-                        made.append((gpu, f1.result(), f2.result()))
-                    except RuntimeError as error:
-                        print(f"soak: GPU {gpu}: {error}", flush=True)
-            until = record.t0 + event.until - 0.5
-            seconds = until - time.monotonic() - 2
-            if seconds < 3:
+            if not jobs:
                 return
-            jobs = {(gpu, k): ShareJob(c, PAIR_US, seconds)
-                    for gpu, one, two in made for k, c in enumerate((one, two))}
-            for job in jobs.values():
-                job.wait_ready(60)
-            go = time.monotonic() + 1
+            go = max(time.monotonic() + 0.5, record.t0 + 0.5)
             for job in jobs.values():
                 job.go(go)
-            runs = {gpu: PairRun(gpu, go - record.t0, go + seconds - record.t0)
-                    for gpu, _, _ in made}
+            seconds = record.t0 + event.until - go
+            runs = {gpu: PairRun(gpu, go - record.t0, event.until) for gpu, _, _ in made}
             with self.lock:
                 record.pairs.extend(runs.values())
                 record.applied.append(replace(event, at=go - record.t0))
@@ -429,9 +409,48 @@ class Soak:
                 else:
                     runs[gpu].second = report
         finally:
+            assert self.node is not None
             for _gpu, one, two in made:
-                node.remove(one, keep_rootfs=True)
-                node.remove(two, keep_rootfs=True)
+                self.node.remove(one, keep_rootfs=True)
+                self.node.remove(two, keep_rootfs=True)
+
+    def make_pair(self, event: Pair, seconds: Callable[[], float]
+                  ) -> tuple[list[Made], dict[tuple[int, int], ShareJob]]:
+        """The pair's containers, and in each a workload ready to go that runs
+        `seconds()` (as it is once the containers run; none when under 3 s)."""
+        assert self.node is not None
+        node = self.node
+        base = self.base_container
+
+        def start(gpu: int, weight: int) -> Container:
+            """A pair's container, on the root filesystem of the soak's first one."""
+            container, code, errors = node.try_container(
+                {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_MEM_DEV": "15",
+                 "ALIYUN_COM_GPU_SCHD_WEIGHT": str(weight), "NVIDIA_VISIBLE_DEVICES": str(gpu)},
+                rootfs_of=base)
+            self.ids.add(container.id)
+            if code != 0:
+                node.remove(container, keep_rootfs=True)
+                raise RuntimeError(f"a pair's container: {last_error(errors)}")
+            return container
+
+        made: list[Made] = []
+        with ThreadPoolExecutor(max_workers=4) as starting:
+            futures = {gpu: [starting.submit(start, gpu, w) for w in event.weights[gpu]]
+                       for gpu in range(self.gpus)}
+            for gpu, (f1, f2) in futures.items():
+                try:
+                    made.append((gpu, f1.result(), f2.result()))
+                except RuntimeError as error:
+                    print(f"soak: GPU {gpu}: {error}", flush=True)
+        length = seconds()
+        if length < 3:
+            return made, {}
+        jobs = {(gpu, k): ShareJob(c, PAIR_US, length)
+                for gpu, one, two in made for k, c in enumerate((one, two))}
+        for job in jobs.values():
+            job.wait_ready(60)
+        return made, jobs
 
     # -- churn --
 

@@ -43,12 +43,12 @@ def test_steady_windows_judge_the_ratio_only_where_both_were_busy_and_quiet() ->
     assert windows[4].error == pytest.approx(0.5)
 
 
-def test_recovery_is_the_first_time_shares_hold_for_the_next_seconds() -> None:
+def test_recovery_is_the_first_time_shares_hold_for_the_next_two_seconds() -> None:
     t0 = 50.0
     first = report(t0, [1] * 12, 12)
     second = report(t0, [2, 2, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2], 12)
     assert figures.recovery(first, second, t0, 2.0, 12.0, lambda _t: 2.0) == 3.0
-    assert figures.recovery(first, second, t0, 2.0, 7.0, lambda _t: 2.0) is None
+    assert figures.recovery(first, second, t0, 2.0, 6.5, lambda _t: 2.0) is None
     assert figures.stall(first, second, t0, 2.0) == 1.0
 
 

@@ -37,9 +37,10 @@ def test_a_ten_minute_plan_churns_hundreds_and_has_every_fault_kind() -> None:
     assert all(a.at <= b.at for a, b in itertools.pairwise(events))
 
 
-def test_a_one_minute_plan_has_each_fault_once() -> None:
+def test_a_one_minute_plan_has_each_fault_once_and_cgpu_fuse_s_restart_last() -> None:
     faults = [e for e in make_plan(3, 60) if isinstance(e, Fault)]
     assert sorted(f.kind for f in faults) == sorted(FAULTS)
+    assert faults[-1].kind == "fuse-kill"
     assert fault_times(60) == [8.571, 17.143, 25.714, 34.286, 42.857, 51.429]
     assert len(fault_times(600)) == 19  # every 30 s
 
