@@ -27,11 +27,6 @@ from tests.soak.runner import run_plan
 REPO = Path(__file__).resolve().parents[2]
 
 
-def window_for(seconds: float) -> float:
-    """Steady windows: 2 s in short runs, 5 s in long ones."""
-    return 2.0 if seconds <= 120 else 5.0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.soak",
                                      description=__doc__.splitlines()[0])
@@ -48,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"soak: {seconds:g} s on {args.gpus} simulated GPUs, seed {args.seed}", flush=True)
     _events, record = run_plan(args.seed, seconds, args.gpus, args.out)
-    summary = report.summarize(record, window_for(seconds))
+    summary = report.summarize(record)
     text = report.table(summary)
     print(text)
     for line in summary.broken + summary.refused[:20]:

@@ -77,8 +77,11 @@ def ratio_error(first: int, second: int, expected: float) -> float:
 
 @dataclass(frozen=True)
 class Window:
+    """A steady span of one GPU's pair, and its ratio's error against the policy's."""
+
     gpu: int
     start: float  # seconds from the soak's start
+    seconds: float
     expected: float
     error: float
 
@@ -88,23 +91,40 @@ class Window:
 
 
 def steady_windows(first: Report, second: Report, gpu: int, t0: float,
-                   span: tuple[float, float], length: float,
+                   span: tuple[float, float], shortest: float,
                    quiet: Callable[[float, float], bool],
-                   expected: Callable[[float], float | None]) -> list[Window]:
-    """The windows of `length` s in `span` (seconds from the soak's start) where
-    `quiet(start, end)` (no fault, write or restart near) and both workloads were busy
-    the whole window; each with its ratio's error against `expected(start)`."""
+                   expected: Callable[[float], float | None],
+                   step: float = 0.5) -> list[Window]:
+    """The steady windows in `span` (seconds from the soak's start): each a longest run
+    of `step`s, at least `shortest` s in all, that are quiet (`quiet(start, end)`: no
+    fault, write or restart near), where both workloads completed kernels in every
+    `BUSY_STEP` and the policy's ratio stayed the same; each with its ratio's error."""
     found = []
+    run: list[float] = []
+
+    def close() -> None:
+        if run and len(run) * step >= shortest - 1e-9:
+            a, b = t0 + run[0], t0 + run[-1] + step
+            want = expected(run[0])
+            assert want is not None
+            found.append(Window(gpu, run[0], len(run) * step, want,
+                                ratio_error(count(first, a, b), count(second, a, b), want)))
+        run.clear()
+
     start = span[0]
-    while start + length <= span[1]:
-        end = start + length
+    while start + step <= span[1] + 1e-9:
+        end = start + step
         want = expected(start)
-        if want is not None and want == expected(end) and quiet(start, end):
-            a, b = t0 + start, t0 + end
-            if busy(first, a, b) and busy(second, a, b):
-                found.append(Window(gpu, start, want,
-                                    ratio_error(count(first, a, b), count(second, a, b), want)))
-        start += length
+        steady = (want is not None and want == expected(end - 1e-6) and quiet(start, end)
+                  and busy(first, t0 + start, t0 + end) and busy(second, t0 + start, t0 + end))
+        if steady and run and expected(run[0]) != want:
+            close()
+        if steady:
+            run.append(start)
+        else:
+            close()
+        start = end
+    close()
     return found
 
 

@@ -28,19 +28,26 @@ def test_segments_start_at_restarts_and_leave_out_their_warmup() -> None:
     assert figures.segments([1, 11, 21, 26, 40], [20], warmup=5) == [None, 0, None, 1, 1]
 
 
-def test_steady_windows_judge_the_ratio_only_where_both_were_busy_and_quiet() -> None:
+def test_steady_windows_are_the_quiet_busy_spans_long_enough_to_judge() -> None:
     t0 = 1000.0
-    first = report(t0, [1] * 10, 10)
-    second = report(t0, [2, 2, 2, 2, 3, 2, 2, 0, 2, 2], 10)
+    first = report(t0, [1] * 12, 12)
+    second = report(t0, [2, 2, 2, 2, 3, 2, 2, 0, 2, 2, 2, 2], 12)
 
     def quiet(start: float, end: float) -> bool:
         return not (start < 6 and end > 5)  # a fault at 5..6 s
 
-    windows = figures.steady_windows(first, second, 0, t0, (0, 10), 1.0, quiet,
-                                     lambda _t: 2.0)
-    assert [w.start for w in windows] == [0, 1, 2, 3, 4, 6, 8, 9]  # 5: fault, 7: idle
-    assert [w.held for w in windows] == [True] * 4 + [False] + [True] * 3
-    assert windows[4].error == pytest.approx(0.5)
+    windows = figures.steady_windows(first, second, 0, t0, (0, 12), 2.0, quiet,
+                                     lambda _t: 2.0, step=1.0)
+    # 0..5 s (4..5 s too fast), not 5..6 s (the fault), 6..7 s (too short), 7..8 s
+    # (idle); 8..12 s.
+    assert [(w.start, w.seconds) for w in windows] == [(0, 5), (8, 4)]
+    assert windows[0].error == pytest.approx(11 / 10 - 1)
+    assert not windows[0].held
+    assert windows[1].held
+    # A change of the policy's ratio ends a window.
+    windows = figures.steady_windows(first, second, 0, t0, (8, 12), 2.0, quiet,
+                                     lambda t: 2.0 if t < 10 else 1.0, step=1.0)
+    assert [(w.start, w.seconds, w.expected) for w in windows] == [(8, 2, 2.0), (10, 2, 1.0)]
 
 
 def test_recovery_is_the_first_time_shares_hold_for_the_next_two_seconds() -> None:
