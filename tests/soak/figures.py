@@ -15,6 +15,7 @@ from tests.bench.shares import Report
 
 TARGET = 0.05  # a pair's ratio within 5% of its policy's
 SETTLE = 3.0  # seconds after a fault ends or a write, before a window counts as steady
+CHURN_SETTLE = 1.0  # seconds after a container arrives on or leaves the GPU
 BUSY_STEP = 0.25  # a workload is busy in a window when it completes kernels in every step
 RECOVERY_WINDOW = 2.0  # recovered: the next 2 s within the target, both busy every 0.5 s
 LOG_WINDOW = 30.0  # how long after a fault its log lines count as its own

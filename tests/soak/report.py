@@ -67,14 +67,19 @@ def expected_of(applied: Sequence[Event], gpu: int) -> Callable[[float], float |
 
 
 def quiet_of(record: Record, run: PairRun) -> Callable[[float, float], bool]:
-    """Whether [start, end] is steady for `run`'s GPU: no fault, restart or write of its
-    GPU's policy or weights near, and both of its containers registered throughout."""
+    """Whether [start, end] is steady for `run`'s GPU: no fault, restart, write of its
+    GPU's policy or weights, or churn container of its GPU arriving or leaving near, and
+    both of its containers registered throughout."""
     busy = [(f.at - 0.5, (f.done if f.done is not None else f.at + 30) + figures.SETTLE)
             for f in record.faults]
     busy += [(e.at - 0.5, e.at + figures.SETTLE) for e in record.applied
              if isinstance(e, Write) and e.gpu == run.gpu
              and e.node in ("policy", "weight1", "weight2")]
     busy += [(e.at - 0.5, e.at + figures.SETTLE) for e in record.applied if isinstance(e, Pair)]
+    # A churn container's arrival or departure on the GPU (registered up to a couple of
+    # seconds before its engine's start returns, unregistered before its removal does).
+    busy += [(t - 2.0, t + figures.CHURN_SETTLE) for p in record.probes if p.gpu == run.gpu
+             for t in (p.started, p.stopped) if t is not None]
 
     def quiet(start: float, end: float) -> bool:
         if any(a < end and start < b for a, b in busy):
