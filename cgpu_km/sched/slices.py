@@ -43,9 +43,9 @@ for its drain, and a container whose processes queue more than a drain limit
 (many processes of long kernels) would otherwise be cut at every turn after.
 
 Handovers, for latency: a container that starts waiting after a rest (it
-had neither launched, waited nor held the GPU for half a quantum) and is
-eligible takes the GPU from its holder at once, instead of after the
-holder's slice and drain (so does one in which a process starts to launch
+had neither launched, waited nor held the GPU for half a quantum) and
+may run (`may_run`) takes the GPU from its holder at once, instead of after
+the holder's slice and drain (so does one in which a process starts to launch
 or wait after such a rest of its own: `Observation.process_rest`); so does
 one that waits while it is owed OWED_QUANTA quanta more share credit than
 the holder of a slice (its processes take turns with their requests, so
@@ -60,62 +60,84 @@ run at once.
 
 Armed gates, so that a waking container does not wait for the caller
 either: each decision names the containers that would take the GPU at once
-if they started waiting now (`SliceDecision.armed`: rested, eligible, of
+if they started waiting now (`SliceDecision.armed`: rested, may run, of
 the holder's priority or higher). Their gates let a launch through and ring
 the doorbell; the next step sees the launches as a wait and hands the GPU
 over as above. Until that step the container runs uncharged beside the
 holder, which pays for the span: at most the caller's latency, once per
 rest.
 
-States: the GPU is in one of these (`SliceScheduler.state`, frozen values;
-each step goes through the one transition function of the present state)::
+States: the GPU is in one of four (`SliceScheduler.state`, frozen values):
+`Idle` (every gate closed), `Holding` (the holder's gate open for its
+slice), `Draining` (the holder's gate closed, its drain answer awaited),
+`Native` (policy 5: the gates of `open`). Beside the state, any number of
+late containers (`late`), each with its `Late` record: cut before it
+answered, or handed over from. A late container is charged until its
+answer is seen, and not granted before. A handover's `Holding` (or the
+`Draining` after it) names the container it was handed over by
+(`sharing`), and a grant after a cut the container cut: until that one
+answers or the turn ends, the span is shared and paid half by each. A
+handover's drain is cut at its deadline like any drain: it stays late, and
+no longer counts against MAX_OVERLAP.
 
-                grant                      its slice ends: close
-    +------+ ----------> +---------+ -------------------------> +----------+
-    | Idle |             | Holding |                            | Draining |
-    +------+             +---------+ <------------------------- +----------+
-        ^                  |     ^     handover: a container wakes    |
-        |                  +-----+     (from Holding too)             |
-        |              renewed, or handover                           |
-        +-------------------------------------------------------------+
-          it answers, or its drain limit cuts it (then it is late);
-          the GPU is granted in the same step
+The rules are one table, `TABLE`: each step works out its `Facts` once
+(after it took in the observations, accrued credit and heard the late
+answer), then takes the first row for the present state whose guard holds
+(`transition`; a move not in the table raises `TransitionError`), and
+applies the row's effects (data: `Charge`, `MarkLate`, `Grant`...) in one
+place. Nothing else changes the state but `configure` (a holder or drainer
+that is gone). `SliceScheduler.moves` counts the moves taken::
 
-    +--------+
-    | Native |  policy 5, stepped by `_native`; another policy: Idle
-    +--------+
+    row        from              when                           to
+    native     any               policy 5                       Native
+    handover   Holding/Draining  a container is waking          Holding
+    preempted  Holding           preempted                      Draining
+    idle       Holding           idle, and it gives the GPU up  Draining
+    turns      Holding           slice over, with company or    Draining
+                                 others
+    spent      Holding           slice over, and it may not     Draining
+                                 renew
+    renewed    Holding           slice over                     Holding
+    slice      Holding           otherwise                      Holding
+    answered   Draining          answered                       Holding/Idle
+    cut        Draining          drain expired                  Holding/Idle
+    draining   Draining          otherwise                      Draining
+    grant      Idle/Native       someone waiting may run        Holding
+    nobody     Idle/Native       otherwise                      Idle
 
-    state     gates open     left when                            for
-    Idle      none           someone waiting is eligible          Holding
-    Holding   the holder's   its slice ends, still eligible and   Holding (renewed)
-                             nobody else waits for the GPU
-                             its slice ends with company that     Draining
-                             waits (for the GPU, or for credit
-                             only), or it is preempted, out of
-                             credit, idle
-                             a container wakes                    Holding (handover)
-    Draining  none           it answers, or its drain limit       Idle, then a grant
-                             passes (cut: it is late)             in the same step
-                             a container wakes                    Holding (handover)
-    Native    per cap        (policy 5; every step stays here;    Idle
-                             another policy leaves it)
+The guards, each defined once in `Facts`:
 
-Beside the state, any number of late containers (`late`), each with its
-`Late` record: cut before it answered, or handed over from. A late
-container is charged until its answer is seen, and not granted before.
-A handover's `Holding` (or the `Draining` after it) names the container
-it was handed over by (`sharing`), and a grant after a cut the container
-cut: until that one answers or the turn ends, the span is shared and paid
-half by each. A handover's drain is cut at its deadline like any drain: it
-stays late, and no longer counts against MAX_OVERLAP.
+- may run (`may_run`): it has a share, share credit at least
+  -ELIGIBLE_SLACK_QUANTA quanta (any, while another is audited), and cap
+  credit not below zero; the holder "may renew" by the same rule, paid up to
+  now, with no slack (ROUNDING). The grants, the wake time of a GPU left
+  idle and the arming ask the same.
+- waking: may run, waits after a rest of REST_QUANTA quanta or owed
+  OWED_QUANTA quanta more than the holder, of the holder's priority or
+  higher, while fewer than MAX_OVERLAP handover drains run.
+- company: other waiting containers with a share and cap credit; others:
+  those that may run, and under policies 1 and 4 all the company.
+- preempted: a preempting container that may run waits, and the holder
+  does not preempt.
+- idle: the holder neither launched nor waited for the idle grace, and it
+  gives the GPU up: someone else waits or drains, or, where unused time
+  stays idle (policies 0, 2, 3), unless its share is the whole GPU.
+- slice over: its end has come (a quantum from its start once it has
+  company or others); answered: the holder's drain answer is seen; drain
+  expired: `drain_timeout` has passed since the close.
+
+A grant settles first (under policies 1 and 4, a debt that every waiting
+container owes is forgiven), then picks the most owed for its share of
+those that may run, a preempting one first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
-from typing import Any, TypeAlias
+from types import MappingProxyType
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from cgpu_km.sched.allotments import GpuConfig, Policy, allotments
 
@@ -145,13 +167,17 @@ class Observation:
     # The latest of those answers' own drain times: for the log only, never charged
     # on (a process may date its answer as it likes).
     drained_at: float = 0.0
-    # When the caller last saw it launch or wait, if it watched (`IdleWatch`);
-    # None: at the instant of the observation, if it launched since the last step.
+    # When it was last active, if the caller knows (`IdleWatch`: its processes
+    # say when they went idle, `idle`); None: at the instant of the observation,
+    # if it launched since the last step.
     active_at: float | None = None
     # The longest rest of a process that started to launch or wait since the last
     # observation (`ProcessRests`): a container whose processes take turns with
     # their requests never rests as a whole, but each of those processes does.
     process_rest: float = 0.0
+    # Every process of it said it went idle, at `active_at` (libcgpu's idle
+    # watch, asked of a watched holder); False: busy, or not asked.
+    idle: bool = False
 
 
 class ProcessRests:
@@ -276,19 +302,6 @@ class Late:
     refund: float = 0.0
 
 
-@dataclass
-class _Account:
-    credit: float = 0.0
-    cap_credit: float = 0.0
-    used: float = 0.0  # GPU seconds charged so far
-    last_launches: int | None = None
-    last_active: float = -float("inf")
-    last_waiting: float = -float("inf")  # the last step that saw it waiting
-    # How long it had neither launched nor waited when its present wait began; 0
-    # while it waits on past the end of a turn.
-    rested: float = 0.0
-
-
 NEVER = float("inf")
 NOTHING = Observation()  # what is seen of a container the observations leave out
 # The default quantum: the slice of every share (a larger share takes more
@@ -300,6 +313,9 @@ NOTHING = Observation()  # what is seen of a container the observations leave ou
 QUANTUM = 0.02
 MAX_QUANTA = 4.0  # a lone holder's slice below a whole share, in quanta
 ELIGIBLE_SLACK_QUANTA = 0.25  # how far behind in share credit a container may start
+# Credit this far below zero is none owed (a float's rounding): the bound of cap
+# credit, and of the holder's share credit at the end of its slice.
+ROUNDING = 1e-9
 REST_QUANTA = 0.5  # how long a container must rest before it may wake into the GPU
 # ... or how much further behind in share credit than the holder it must be
 # (between busy containers the gap grows by up to a slice in one slice: more
@@ -312,6 +328,710 @@ MAX_OVERLAP = 2
 # starts waiting rings, and is looked at at once): the dispatcher's only steps
 # while nothing happens.
 LONE_SLICE = 1.0
+
+
+def may_run(share: float, credit: float, cap_credit: float, slack: float,
+            lent: bool = False) -> bool:
+    """The one rule of who may run: it has a share, its share credit is not
+    below `-slack` (or it is lent: the others' time while one is audited), and
+    its cap credit is not below zero."""
+    return share > 0 and (credit >= -slack or lent) and cap_credit >= -ROUNDING
+
+
+# -- the books: credits, and what the steps saw of each container ------------
+
+
+@dataclass
+class _Account:
+    credit: float = 0.0
+    cap_credit: float = 0.0
+    used: float = 0.0  # GPU seconds charged so far
+
+
+class Ledger:
+    """Every container's credits and GPU time: the one place that accrues,
+    charges and settles them."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.accounts: dict[str, _Account] = {n: _Account() for n in names}
+        self._rated: list[tuple[str, _Account, float, float]] = []
+
+    def rate(self, rates: Mapping[str, Rate]) -> None:
+        """The rates credit accrues at from now on (after a new allotment, or
+        new accounts)."""
+        self._rated = [(n, acc, rates[n][0], rates[n][1]) for n, acc in self.accounts.items()]
+
+    def accrue(self, dt: float, active: Set[str], holder: str | None, burst: float) -> None:
+        # Every container at every step: locals, and no calls (it is the
+        # dispatcher's hot loop).
+        for name, acc, share, cap in self._rated:
+            credit = acc.credit + share * dt
+            cap_credit = acc.cap_credit + cap * dt
+            if name not in active and name != holder:  # idle: no banking beyond a burst
+                if credit > share * burst:
+                    credit = share * burst
+                if cap_credit > cap * burst:
+                    cap_credit = cap * burst
+            acc.credit, acc.cap_credit = credit, cap_credit
+
+    def charge(self, name: str, seconds: float) -> None:
+        acc = self.accounts.get(name)
+        if acc is not None and seconds > 0:
+            acc.credit -= seconds
+            acc.cap_credit -= seconds
+            acc.used += seconds
+
+    def settle(self, names: Iterable[str], standing: float, rates: Mapping[str, Rate]) -> None:
+        """Forgive `names` a common debt of `standing` seconds of wall time each
+        (`Facts.grant` works it out): their standing relative to their shares
+        stays."""
+        for name in names:
+            self.accounts[name].credit -= standing * rates[name][0]
+
+    def run_natively(self, names: Iterable[str], dt: float, rates: Mapping[str, Rate]) -> None:
+        """Policy 5: `names` had their gates open while active for `dt`."""
+        for name in names:
+            acc = self.accounts[name]
+            acc.used += dt
+            if rates[name][1] < 1:
+                acc.cap_credit -= dt
+
+
+@dataclass
+class _Seen:
+    launches: int | None = None
+    last_active: float = -NEVER
+    last_waiting: float = -NEVER  # the last step that saw it waiting
+    # How long it had neither launched nor waited when its present wait began; 0
+    # while it waits on past the end of a turn.
+    rested: float = 0.0
+
+
+class Activity:
+    """What the steps saw of each container, in one place: when it last launched
+    or waited, how long it had rested when its wait began, which containers
+    are active, which gates are armed."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.seen: dict[str, _Seen] = {n: _Seen() for n in names}
+        self.active: frozenset[str] = frozenset()
+        self.armed: frozenset[str] = frozenset()
+        self._before = -NEVER  # the step before this one
+
+    def keep(self, names: Iterable[str]) -> None:
+        """A new configuration: `names` are the containers."""
+        self.seen = {n: self.seen.get(n) or _Seen() for n in names}
+        self.active &= self.seen.keys()
+
+    def through_armed(self, observed: Mapping[str, Observation]) -> Mapping[str, Observation]:
+        """`observed`, where a container that launched through its armed gate
+        since the last step is waiting (it wants the GPU as one at the gate)."""
+        through = {n for n in self.armed & self.seen.keys()
+                   if (seen := observed.get(n)) is not None and not seen.waiting
+                   and self.seen[n].launches not in (None, seen.launches)}
+        if not through:
+            return observed
+        return {n: replace(seen, waiting=True) if n in through else seen
+                for n, seen in observed.items()}
+
+    def observe(self, now: float, observed: Mapping[str, Observation], holder: str | None,
+                burst: float) -> frozenset[str]:
+        """Take in one step's observations; the containers active now: waiting,
+        or launched or waited within `burst` (a busy container's processes are
+        not at the gate every instant: between two turns they drain, wake,
+        launch)."""
+        before = self._before
+        active = []
+        for name, mine in self.seen.items():
+            seen = observed.get(name, NOTHING)
+            if seen.waiting:
+                if mine.last_waiting < before or mine.last_waiting == -NEVER:
+                    mine.rested = now - mine.last_active  # a wait begins
+                if name != holder:  # a rested process of a waiting container
+                    mine.rested = max(mine.rested, seen.process_rest)
+                mine.last_waiting = now
+                mine.last_active = now
+                active.append(name)
+            else:
+                if seen.active_at is not None or (mine.launches is not None
+                                                  and seen.launches != mine.launches):
+                    seen_at = now if seen.active_at is None else min(seen.active_at, now)
+                    mine.last_active = max(mine.last_active, seen_at)
+                if now - mine.last_active < burst:
+                    active.append(name)
+            mine.launches = seen.launches
+        self._before = now
+        return frozenset(active)
+
+    def pass_over(self, names: Iterable[str]) -> None:
+        """A grant passed over (or granted) `names`: none of them is waking now."""
+        for name in names:
+            self.seen[name].rested = 0.0
+
+    def granted(self, name: str, now: float) -> None:
+        self.seen[name].last_active = now
+
+    def turn_ended(self, name: str, now: float, grace: float) -> None:
+        """Waiting on, it is not waking; busy to the end, a rest starts now."""
+        mine = self.seen[name]
+        mine.rested = 0.0
+        if now - mine.last_active < grace:
+            mine.last_active = now
+
+
+# -- effects: what a move does besides changing the state, as data -------------
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """`name` is charged `seconds` of GPU time."""
+
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refund:
+    """The late `name` pays `seconds` less when its answer comes (its half of a
+    span it shared)."""
+
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class MarkLate:
+    """`name` is late: charged from `record.since` until its answer is seen."""
+
+    name: str
+    record: Late
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """The late `name` answered: charged up to now (less its refund), late no more."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Overdue:
+    """A handover's drain passed its deadline: cut, it stays late (no overlap)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Under policies 1 and 4: a debt every waiting container owes is forgiven."""
+
+    names: tuple[str, ...]
+    standing: float
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """`name` is granted; those in `passed` (it too) are waking no more."""
+
+    name: str
+    passed: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class EndTurn:
+    """`name`'s turn is over: waiting on, it is not waking."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunNatively:
+    """Policy 5: `names` had their gates open while active since the last step."""
+
+    names: frozenset[str]
+
+
+Effect: TypeAlias = (Charge | Refund | MarkLate | Heard | Overdue | Settle | Grant | EndTurn
+                     | RunNatively)
+Rate: TypeAlias = tuple[float, float, bool]  # share, cap, preempts (of the present allotment)
+
+
+# -- the facts a step decides from -------------------------------------------
+
+T = TypeVar("T")
+
+
+class _once(Generic[T]):
+    """A fact worked out at its first use in a step, then kept (as
+    functools.cached_property, without its lock: one thread steps)."""
+
+    def __init__(self, compute: Callable[[Any], T]) -> None:
+        self.compute = compute
+        self.name = compute.__name__
+
+    def __get__(self, facts: Any, owner: Any = None) -> T:
+        value = self.compute(facts)
+        facts.__dict__[self.name] = value  # found before this descriptor from now on
+        return value
+
+
+
+@dataclass(frozen=True)
+class GrantChoice:
+    """Whom a grant picks among `pool`, if anyone; the debt it settles first."""
+
+    chosen: str | None
+    settled: tuple[str, ...]
+    standing: float  # the common debt forgiven, in seconds of wall time (<= 0)
+    wake_at: float  # nobody chosen: when the first of `pool` may run
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What one step decides from, computed once at its start (after the books
+    took in the observations and the late answers): every guard of the table,
+    the grants, the wake times and the arming ask these, and nothing else."""
+
+    now: float
+    dt: float
+    policy: Policy
+    quantum: float
+    grace: float
+    drain_timeout: float
+    rates: Mapping[str, Rate]
+    # The present turn as the books stand now: a span it shared with a drain
+    # that has just answered is paid (`paid_to` now, `sharing` None).
+    turn: Holding | Draining | None
+    holder: str | None  # the turn's
+    was_open: frozenset[str]  # Native: the gates open until now
+    waiting: frozenset[str]  # waiting for the GPU, not late, not barred
+    answered: bool  # the holder answered its close
+    late: Mapping[str, Late]  # after this step's answers
+    barred: frozenset[str]
+    # (credit, cap credit) of those that may be asked about: the waiting and the
+    # holder (under policy 5: everyone), before this step's move.
+    credits: Mapping[str, tuple[float, float]]
+    rested: Mapping[str, float]  # of the waiting: how long each rested before its wait
+    holder_active: float  # when the holder last launched or waited
+    active: frozenset[str]
+    _grants: dict[tuple[frozenset[str], frozenset[str] | None], GrantChoice] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def share(self, name: str) -> float:
+        return self.rates[name][0]
+
+    def preempts(self, name: str) -> bool:
+        return self.rates[name][2]
+
+    @property
+    def slack(self) -> float:
+        """How far behind in share credit a container may start a turn."""
+        return self.quantum * ELIGIBLE_SLACK_QUANTA
+
+    def may_run(self, name: str) -> bool:
+        """May start a turn (`may_run`): by its credits now."""
+        credit, cap_credit = self.credits[name]
+        return may_run(self.rates[name][0], credit, cap_credit, self.slack,
+                       bool(self.barred) and name not in self.barred)
+
+    # The holder's books.
+
+    @_once
+    def unpaid(self) -> float:
+        """What paying the holder up to now charges it (nothing of a span it shares)."""
+        turn = self.turn
+        return 0.0 if turn is None or turn.sharing is not None else self.now - turn.paid_to
+
+    @_once
+    def shared_half(self) -> float:
+        """The holder's half of the span it shares, if it shares one."""
+        turn = self.turn
+        return 0.0 if turn is None or turn.sharing is None else (self.now - turn.paid_to) / 2
+
+    def credit_after_turn(self, name: str) -> tuple[float, float]:
+        """`name`'s credits once the present turn ends now (the holder pays it)."""
+        credit, cap_credit = self.credits[name]
+        if name == self.holder:
+            due = self.unpaid + self.shared_half
+            return credit - due, cap_credit - due
+        return credit, cap_credit
+
+    # Holding: who else waits, and whether the slice ends.
+
+    @_once
+    def company(self) -> frozenset[str]:
+        """Others that wait with a share and cap credit left, whether or not their
+        share credit allows: while any does, the holder's turns end as theirs
+        do, with a drain, and it takes more of them, not longer ones."""
+        holder = self.holder
+        return frozenset(n for n in self.waiting if n != holder and self.rates[n][0] > 0
+                         and self.credits[n][1] >= -ROUNDING)
+
+    @_once
+    def others(self) -> frozenset[str]:
+        """Others that would take the GPU if the holder gave it up: those that
+        may run, and under the work-conserving policies all the company (idle
+        time is lent)."""
+        holder, lend = self.holder, self.policy.work_conserving
+        return frozenset(n for n in self.waiting if n != holder
+                         and ((lend and n in self.company) or self.may_run(n)))
+
+    @_once
+    def slice_end(self) -> float:
+        """The slice's end: a quantum from its start once it has company."""
+        turn = self.turn
+        assert isinstance(turn, Holding)
+        if self.others or self.company:
+            return min(turn.slice_end, turn.slice_start + self.quantum)
+        return turn.slice_end
+
+    @_once
+    def slice_over(self) -> bool:
+        return self.now >= self.slice_end
+
+    @_once
+    def idle(self) -> bool:
+        """The holder neither launched nor waited for the idle grace."""
+        return self.now - self.holder_active >= self.grace
+
+    def gives_up_when_idle(self, holder: str, company: bool, late: Mapping[str, Late]) -> bool:
+        """Whether `holder`, if it goes idle, gives the GPU up (so is watched for
+        it): when someone else waits (`company`) or drains; where unused time
+        stays idle (policies 0, 2, 3), alone too, or it would pay for time
+        nobody used. Not alone with a share of the whole GPU: nobody else may
+        use it then, so its idle time is nobody's loss, as where it is lent."""
+        if company or late:
+            return True
+        return not (self.policy.work_conserving or self.rates[holder][0] >= 1)
+
+    @_once
+    def gives_up(self) -> bool:
+        holder = self.holder
+        assert holder is not None
+        return self.idle and self.gives_up_when_idle(holder, bool(self.others), self.late)
+
+    @_once
+    def preempted(self) -> bool:
+        """A preempting container that may run waits, and the holder does not
+        preempt."""
+        turn = self.turn
+        assert isinstance(turn, Holding)
+        if self.rates[turn.holder][2]:
+            return False
+        return any(self.rates[n][2] and self.may_run(n) for n in self.others)
+
+    @_once
+    def may_renew(self) -> bool:
+        """The holder's credits, paid up to now, allow another slice."""
+        holder = self.holder
+        assert holder is not None
+        credit, cap_credit = self.credits[holder]
+        return may_run(self.rates[holder][0], credit - self.unpaid, cap_credit - self.unpaid,
+                       ROUNDING, bool(self.barred) and holder not in self.barred)
+
+    # Handovers.
+
+    @_once
+    def overlaps_full(self) -> bool:
+        """MAX_OVERLAP handover drains run: nobody more may wake into the GPU."""
+        return sum(late.deadline is not None for late in self.late.values()) >= MAX_OVERLAP
+
+    def owed(self, name: str) -> bool:
+        """Whether `name` is further behind its share than the holder of a slice
+        under way (a grant now would pick it), by OWED_QUANTA quanta of credit,
+        counting what the slice has cost the holder so far: a container whose
+        processes overlap their requests never rests, yet its requests should
+        not wait out a busy holder's slices. (A drain is waited for as before.)"""
+        turn = self.turn
+        if not isinstance(turn, Holding):
+            return False
+        mine = self.credits[name][0]
+        theirs = self.credit_after_turn(turn.holder)[0]
+        share, holder_share = self.rates[name][0], self.rates[turn.holder][0]
+        return (mine >= theirs + self.quantum * OWED_QUANTA and share > 0
+                and (holder_share <= 0 or mine / share > theirs / holder_share))
+
+    @_once
+    def waking(self) -> frozenset[str]:
+        """Those that may take the GPU from the holder at once: that may run,
+        waiting after a rest of REST_QUANTA (neither launching, waiting nor
+        holding the GPU: a busy container whose processes come back to the gate
+        late after its turn, on a loaded host, is not waking) or owed, and of
+        the holder's priority or higher; none while MAX_OVERLAP handover
+        drains run."""
+        turn = self.turn
+        if turn is None or self.overlaps_full:
+            return frozenset()
+        holder = turn.holder
+        prio = self.rates[holder][2]
+        rest = self.quantum * REST_QUANTA
+        return frozenset(n for n in self.waiting
+                         if n != holder and (self.rates[n][2] or not prio)
+                         and (self.rested[n] >= rest or self.owed(n)) and self.may_run(n))
+
+    # Draining.
+
+    @_once
+    def drain_expired(self) -> bool:
+        turn = self.turn
+        assert isinstance(turn, Draining)
+        return self.now >= turn.closed_at + self.drain_timeout
+
+    # Grants.
+
+    def grant(self, pool: frozenset[str], among: frozenset[str] | None = None) -> GrantChoice:
+        """The GPU to the most owed of `among` (by default: of `pool`, those
+        waiting) that may run, a preempting one first; under the
+        work-conserving policies, when every one of `pool` owes time, their
+        common debt goes first (time used while nobody else wanted the GPU is
+        lent, not owed). The present turn has ended."""
+        key = (pool, among)
+        memo = self._grants.get(key)
+        if memo is not None:
+            return memo
+        rates, slack, lent = self.rates, self.slack, bool(self.barred)
+        books = {n: self.credit_after_turn(n) for n in pool}
+        owing = tuple(n for n in pool if rates[n][0] > 0)
+        standing = 0.0
+        if self.policy.work_conserving and owing:
+            standing = min(0.0, max(books[n][0] / rates[n][0] for n in owing))
+        settled = {n: (books[n][0] - standing * rates[n][0], books[n][1]) for n in pool}
+
+        def runs(n: str) -> bool:
+            credit, cap_credit = settled[n]
+            return may_run(rates[n][0], credit, cap_credit, slack, lent and n not in self.barred)
+
+        candidates = [n for n in (pool if among is None else among) if runs(n)]
+        chosen, wake_at = None, NEVER
+        if candidates:
+            prio = [n for n in candidates if rates[n][2]]
+            # The most owed for its share: the furthest behind in wall-clock time.
+            chosen = max(prio or candidates, key=lambda n: (settled[n][0] / rates[n][0], n))
+        else:  # nobody may run now: wake when the first one's credits allow
+            for name in owing:
+                share, cap, _ = rates[name]
+                credit, cap_credit = settled[name]
+                need = max((-credit - slack) / share,
+                           -cap_credit / cap if cap > 0 else NEVER, 0.0)
+                wake_at = min(wake_at, self.now + need)
+        choice = GrantChoice(chosen, owing if standing < 0 else (), standing, wake_at)
+        self._grants[key] = choice
+        return choice
+
+    # Policy 5.
+
+    @_once
+    def native(self) -> tuple[frozenset[str], float, frozenset[str], frozenset[str]]:
+        """Policy 5: the gates open now, when to step again, those charged for
+        their open gates since the last step, and those that just ran out of cap
+        credit (late until their drain answers). Every gate is open, but a
+        capped container's only while its cap credit lasts. It is charged the
+        time its gate was open while it was active, and after each close until
+        its drain answer: the time it had work on the GPU (an upper bound of its
+        GPU time, which the driver's own time slicing hides)."""
+        open_: set[str] = set()
+        charged: set[str] = set()
+        late: set[str] = set()
+        wake_at = NEVER
+        for name, (_, cap, _) in self.rates.items():
+            cap_credit = self.credit_after_turn(name)[1]
+            if name in self.was_open and name in self.active:
+                charged.add(name)
+                if cap < 1:
+                    cap_credit -= self.dt
+            if cap >= 1 or (cap_credit >= -ROUNDING and name not in self.late):
+                open_.add(name)
+                if cap < 1:  # when it would run out, charged all along
+                    wake_at = min(wake_at, self.now + max(cap_credit / (1 - cap), self.grace))
+                continue
+            if name in self.was_open:
+                late.add(name)  # charged on until its drain answer
+            if cap > 0:
+                wake_at = min(wake_at, self.now + max(-cap_credit / cap, self.grace))
+        return frozenset(open_), wake_at, frozenset(charged), frozenset(late)
+
+
+# -- the table ------------------------------------------------------------------
+
+
+class TransitionError(RuntimeError):
+    """A move that is not in the table."""
+
+
+Move: TypeAlias = tuple[State, tuple[Effect, ...]]
+
+
+@dataclass(frozen=True, eq=False)
+class Row:
+    """One rule: from a state of a kind in `source`, when `guard` holds (the
+    first such row of the table), the GPU moves to a state of a kind in
+    `targets`; `move` builds it and the effects. `when` and `does` say the
+    guard and the effects in words (docs/developer/scheduler.md shows them)."""
+
+    name: str
+    source: tuple[type, ...]
+    guard: Callable[[State, Facts], bool]
+    targets: tuple[type, ...]
+    move: Callable[[State, Facts], Move]
+    when: str
+    does: str
+
+
+def _end_turn(f: Facts) -> list[Effect]:
+    """The holder's turn is over (it has answered, is late, or the GPU is handed
+    over): charged up to now, half of a span it shared included (the other
+    half is the drainer's refund)."""
+    turn = f.turn
+    assert turn is not None
+    effects: list[Effect] = [Charge(turn.holder, f.unpaid + f.shared_half)]
+    if turn.sharing is not None and turn.sharing in f.late:
+        effects.append(Refund(turn.sharing, f.shared_half))
+    effects.append(EndTurn(turn.holder))
+    return effects
+
+
+def _granted(f: Facts, effects: list[Effect], pool: frozenset[str],
+             among: frozenset[str] | None = None, sharing: str | None = None) -> Move:
+    """Idle (the turn, if any, has ended): a grant among `pool`, or nobody yet."""
+    choice = f.grant(pool, among)
+    if choice.settled:
+        effects.append(Settle(choice.settled, choice.standing))
+    if choice.chosen is None:
+        return IDLE, tuple(effects)
+    effects.append(Grant(choice.chosen, pool))
+    return Holding(choice.chosen, slice_start=f.now, slice_end=f.now + f.quantum,
+                   paid_to=f.now, sharing=sharing), tuple(effects)
+
+
+def _native(state: State, f: Facts) -> Move:
+    effects = _end_turn(f) if f.turn is not None else []
+    open_, _, charged, late = f.native
+    effects.append(RunNatively(charged))
+    effects.extend(MarkLate(n, Late(since=f.now)) for n in sorted(late))
+    return Native(open_), tuple(effects)
+
+
+def _hand_over(state: State, f: Facts) -> Move:
+    turn = f.turn
+    assert turn is not None
+    closed = turn.closed_at if isinstance(turn, Draining) else f.now
+    effects = _end_turn(f)
+    effects.append(MarkLate(turn.holder, Late(since=f.now, deadline=closed + f.drain_timeout)))
+    return _granted(f, effects, f.waiting, among=f.waking, sharing=turn.holder)
+
+
+def _close(state: State, f: Facts) -> Move:
+    turn = f.turn
+    assert isinstance(turn, Holding)
+    if f.slice_over and f.unpaid:  # the slice so far is paid at its end
+        return (Draining(turn.holder, closed_at=f.now, paid_to=f.now, sharing=turn.sharing),
+                (Charge(turn.holder, f.unpaid),))
+    return Draining(turn.holder, closed_at=f.now, paid_to=turn.paid_to, sharing=turn.sharing), ()
+
+
+def _renew(state: State, f: Facts) -> Move:
+    turn = f.turn
+    assert isinstance(turn, Holding)
+    holder = turn.holder
+    company = f.active - {holder}
+    alone = LONE_SLICE if f.rates[holder][0] >= 1 else f.quantum * MAX_QUANTA
+    renewed = Holding(holder, slice_start=f.now,
+                      slice_end=f.now + (f.quantum if company else alone),
+                      paid_to=turn.paid_to if turn.sharing is not None else f.now,
+                      sharing=turn.sharing)
+    return renewed, (Charge(holder, f.unpaid),) if f.unpaid else ()
+
+
+def _go_on(state: State, f: Facts) -> Move:
+    turn = f.turn
+    assert isinstance(turn, Holding)
+    if f.slice_end == turn.slice_end:
+        return turn, ()
+    return replace(turn, slice_end=f.slice_end), ()
+
+
+def _answered(state: State, f: Facts) -> Move:
+    return _granted(f, _end_turn(f), f.waiting)
+
+
+def _cut(state: State, f: Facts) -> Move:
+    turn = f.turn
+    assert turn is not None
+    effects = _end_turn(f)
+    effects.append(MarkLate(turn.holder, Late(since=f.now)))
+    return _granted(f, effects, f.waiting - {turn.holder}, sharing=turn.holder)
+
+
+def _drain_on(state: State, f: Facts) -> Move:
+    assert f.turn is not None
+    return f.turn, ()
+
+
+def _grant_idle(state: State, f: Facts) -> Move:
+    return _granted(f, [], f.waiting)
+
+
+def _is_native(s: State, f: Facts) -> bool:
+    return f.policy is Policy.NATIVE
+
+
+def _always(s: State, f: Facts) -> bool:
+    return True
+
+
+# The rules, in order: a step takes the first row for the present state's kind
+# whose guard holds. The module docstring and docs/developer/scheduler.md show
+# the same table (tests/sched/test_table.py holds them to it).
+TABLE: tuple[Row, ...] = (
+    Row("native", (Idle, Holding, Draining, Native), _is_native, (Native,), _native,
+        "policy 5",
+        "end the turn; charge the open gates; a capped one out of cap credit closes, late"),
+    Row("handover", (Holding, Draining), lambda s, f: bool(f.waking), (Holding,), _hand_over,
+        "a container is waking",
+        "end the turn; the holder late (to its drain limit); grant a waker, shared"),
+    Row("preempted", (Holding,), lambda s, f: f.preempted, (Draining,), _close,
+        "preempted", "close (pay the slice if it is over)"),
+    Row("idle", (Holding,), lambda s, f: f.gives_up, (Draining,), _close,
+        "idle, and it gives the GPU up", "close (pay the slice if it is over)"),
+    Row("turns", (Holding,), lambda s, f: f.slice_over and bool(f.others or f.company),
+        (Draining,), _close, "slice over, with company or others", "close; pay the slice"),
+    Row("spent", (Holding,), lambda s, f: f.slice_over and not f.may_renew, (Draining,),
+        _close, "slice over, and it may not renew", "close; pay the slice"),
+    Row("renewed", (Holding,), lambda s, f: f.slice_over, (Holding,), _renew,
+        "slice over", "pay the slice; a new slice, no drain"),
+    Row("slice", (Holding,), _always, (Holding,), _go_on,
+        "otherwise", "none (a quantum's slice once it has company or others)"),
+    Row("answered", (Draining,), lambda s, f: f.answered, (Holding, Idle), _answered,
+        "answered", "end the turn; grant"),
+    Row("cut", (Draining,), lambda s, f: f.drain_expired, (Holding, Idle), _cut,
+        "drain expired", "end the turn; the holder late; grant, shared with it"),
+    Row("draining", (Draining,), _always, (Draining,), _drain_on, "otherwise", "none"),
+    Row("grant", (Idle, Native), lambda s, f: f.grant(f.waiting).chosen is not None,
+        (Holding,), _grant_idle, "someone waiting may run", "grant"),
+    Row("nobody", (Idle, Native), _always, (Idle,), _grant_idle,
+        "otherwise", "settle; wake when the first one may run"),
+)
+_ROWS: dict[type, tuple[Row, ...]] = {
+    kind: tuple(row for row in TABLE if kind in row.source)
+    for kind in (Idle, Holding, Draining, Native)
+}
+
+
+def transition(state: State, facts: Facts) -> tuple[State, tuple[Effect, ...], Row]:
+    """The first row of the table for `state` whose guard holds: the state it
+    moves to, its effects, and the row. A move the table does not have raises
+    TransitionError."""
+    rows = _ROWS.get(type(state))
+    if rows is None:
+        raise TransitionError(f"no row of the table leaves {state!r}")
+    for row in rows:
+        if row.guard(state, facts):
+            new, effects = row.move(state, facts)
+            if type(new) not in row.targets:
+                raise TransitionError(f"{row.name}: {type(state).__name__} to "
+                                      f"{type(new).__name__} is not in the table")
+            return new, effects, row
+    raise TransitionError(f"no row of the table leaves {state!r} with these facts")
 
 
 class SliceScheduler:
@@ -335,14 +1055,16 @@ class SliceScheduler:
         self.drain_timeout = drain_timeout
         self.burst_window = quantum * burst_quanta
         self._config = config
-        self._accounts: dict[str, _Account] = {n: _Account() for n in config.containers}
+        self._ledger = Ledger(config.containers)
+        self._activity = Activity(config.containers)
         self._now: float | None = None
-        self._now_before = -NEVER  # the step before this one
-        self._active: frozenset[str] = frozenset()
         self._state: State = IDLE
         self._late: dict[str, Late] = {}
-        self._armed: frozenset[str] = frozenset()
         self._barred: dict[str, float] = {}  # audited: granted nothing until then
+        self._moves: dict[tuple[type, Row, type], int] = {}
+        self._waiting_config: GpuConfig | None = None
+        self._waiting_rates: dict[str, Rate] = {}
+        self._armable: list[tuple[str, _Seen, _Account, float, bool]] = []
         self._set_allot()
 
     @property
@@ -353,20 +1075,22 @@ class SliceScheduler:
         """Apply a new configuration; it takes effect at the next step.
 
         Containers keep their accounts unless the policy changed (then every
-        credit starts afresh so that the new policy holds at once)."""
+        credit starts afresh so that the new policy holds at once). A turn
+        whose holder is gone ends (Idle), and a span shared with a drainer
+        that is gone is paid: the only changes of state outside a step."""
         fresh = config.policy != self._config.policy
         accounts: dict[str, _Account] = {}
         for name in config.containers:
-            old = self._accounts.get(name)
+            old = self._ledger.accounts.get(name)
             if old is None:
                 accounts[name] = _Account()
             elif fresh:
-                accounts[name] = _Account(used=old.used, last_launches=old.last_launches)
+                accounts[name] = _Account(used=old.used)
             else:
                 accounts[name] = old
-        self._accounts = accounts
+        self._ledger.accounts = accounts
+        self._activity.keep(config.containers)
         self._config = config
-        self._active = self._active & frozenset(config.containers)
         self._late = {n: late for n, late in self._late.items() if n in accounts}
         turn = self._state
         if isinstance(turn, Holding | Draining):
@@ -374,14 +1098,15 @@ class SliceScheduler:
                 self._state = IDLE
             elif turn.sharing is not None and turn.sharing not in accounts:
                 assert self._now is not None  # a turn began at a step
-                self._end_sharing(self._now)
+                self._ledger.charge(turn.holder, (self._now - turn.paid_to) / 2)
+                self._state = replace(turn, paid_to=self._now, sharing=None)
         self._set_allot()
 
     def bar(self, name: str, until: float) -> None:
         """An audit: `name` is granted nothing, armed for nothing and takes the GPU
         from nobody until `until`, as if it did not wait; it keeps accruing share
         credit as a waiting container does, and takes its turns back after."""
-        if name in self._accounts:
+        if name in self._ledger.accounts:
             self._barred[name] = until
 
     @property
@@ -391,11 +1116,11 @@ class SliceScheduler:
 
     def credits(self) -> dict[str, float]:
         """Share credit per container in seconds (negative: owes GPU time)."""
-        return {n: a.credit for n, a in self._accounts.items()}
+        return {n: a.credit for n, a in self._ledger.accounts.items()}
 
     def used(self) -> dict[str, float]:
         """GPU seconds charged to each container so far (its measured GPU time)."""
-        return {n: a.used for n, a in self._accounts.items()}
+        return {n: a.used for n, a in self._ledger.accounts.items()}
 
     @property
     def state(self) -> State:
@@ -419,403 +1144,199 @@ class SliceScheduler:
         """What `name` is charged from while late, or None: it is not."""
         return self._late.get(name)
 
-    def _set_allot(self) -> None:
-        self._allot = allotments(self._config, self._active)
-        self._shares: dict[str, Fraction] = {n: a.share for n, a in self._allot.items()}
-        self._rates: dict[str, tuple[float, float]] = {
-            n: (float(a.share), float(a.cap)) for n, a in self._allot.items()
-        }
+    @property
+    def moves(self) -> Mapping[tuple[str, str, str], int]:
+        """The moves the steps took so far: (state kind, row of `TABLE`, state kind)
+        to how many times."""
+        return {(source.__name__, row.name, target.__name__): count
+                for (source, row, target), count in self._moves.items()}
 
-    def _charge(self, name: str, seconds: float) -> None:
-        acc = self._accounts.get(name)
-        if acc is not None and seconds > 0:
-            acc.credit -= seconds
-            acc.cap_credit -= seconds
-            acc.used += seconds
+    def _set_allot(self) -> None:
+        active = self._activity.active
+        self._allot = allotments(self._config, active)
+        # Handed out with every decision, never changed (a new allotment is a new map).
+        self._shares: Mapping[str, Fraction] = MappingProxyType(
+            {n: a.share for n, a in self._allot.items()})
+        self._rates: dict[str, Rate] = {
+            n: (float(a.share), float(a.cap), a.preempts) for n, a in self._allot.items()
+        }
+        # What each container would have once it waits (it is active then): the
+        # arming's share and priority. Everyone active: only the sign of a share
+        # and `preempts` are asked, and those do not depend on who else is.
+        if self._waiting_config is not self._config:
+            self._waiting_config = self._config
+            self._waiting_rates = {
+                n: (float(a.share), float(a.cap), a.preempts)
+                for n, a in allotments(self._config, self._config.containers.keys()).items()
+            }
+        self._ledger.rate(self._rates)
+        accounts, seen = self._ledger.accounts, self._activity.seen
+        self._armable = [(n, seen[n], accounts[n], share, preempts)
+                         for n, (share, _, preempts) in self._waiting_rates.items()]
 
     def step(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
-        """Account the time since the last step and decide who holds the GPU now."""
+        """Account the time since the last step and decide who holds the GPU now:
+        take in the observations (`Activity`), accrue credit (`Ledger`), hear the
+        late, work out the `Facts`, move by the table (`transition`), apply the
+        move's effects, and decide."""
         dt = 0.0 if self._now is None else now - self._now
         if dt < 0:
             raise ValueError(f"time went backwards: {now} < {self._now}")
         self._now = now
-        observed = self._launched_through_armed(observed)
+        activity = self._activity
+        observed = activity.through_armed(observed)
         holder = self.holder
-        for name, acc in self._accounts.items():
-            seen = observed.get(name, NOTHING)
-            if seen.waiting:
-                if acc.last_waiting < self._now_before or acc.last_waiting == -NEVER:
-                    acc.rested = now - acc.last_active  # a wait begins
-                if name != holder:  # a rested process of a waiting container
-                    acc.rested = max(acc.rested, seen.process_rest)
-                acc.last_waiting = now
-            if seen.waiting:
-                acc.last_active = now
-            elif acc.last_launches is not None and seen.launches != acc.last_launches:
-                seen_at = now if seen.active_at is None else min(seen.active_at, now)
-                acc.last_active = max(acc.last_active, seen_at)
-            acc.last_launches = seen.launches
-        self._now_before = now
-        self._accrue(dt)
-        self._hear_the_late(now, observed)
-        # Active: waiting now, or launched or waited within a short while (a busy
-        # container's processes are not at the gate every instant: between two
-        # turns they drain, wake, launch).
-        active = frozenset(n for n, acc in self._accounts.items()
-                           if observed.get(n, NOTHING).waiting
-                           or now - acc.last_active < self.burst_window)
-        if active != self._active:
-            self._active = active
+        active = activity.observe(now, observed, holder, self.burst_window)
+        self._ledger.accrue(dt, activity.active, holder, self.burst_window)
+        turn = self._hear_the_late(now, observed)
+        if active != activity.active:
+            activity.active = active
             self._set_allot()
-        if self._config.policy is Policy.NATIVE:
-            return self._native(now, dt)
-        return self._exclusive(now, observed)
-
-    def _audited(self, waiting: set[str]) -> set[str]:
-        """Those that wait, less the barred, unless that would leave the GPU to
-        nobody: an audit is never paid for with idle time (it ends)."""
+        facts = self._facts(now, dt, observed, turn)
         state = self._state
+        new, effects, row = transition(state, facts)
+        self._apply(effects, facts)
+        self._state = new
+        key = (type(state), row, type(new))
+        self._moves[key] = self._moves.get(key, 0) + 1
+        return self._decide(row, new, facts)
+
+    def _hear_the_late(self, now: float, observed: Mapping[str, Observation],
+                       ) -> Holding | Draining | None:
+        """A late container that answered is charged up to now (less its half of the
+        span it shared) and is late no more; a handover's drain past its deadline
+        is cut: it stays late, as a cut drain does (it shares the span until it
+        answers or the turn ends, and is no overlap that holds off a waker). The
+        present turn as the books stand after."""
+        state = self._state
+        turn = state if isinstance(state, Holding | Draining) else None
+        if not self._late:
+            return turn
+        effects: list[Effect] = []
+        for name, late in self._late.items():
+            if observed.get(name, NOTHING).answered:
+                if turn is not None and turn.sharing == name:  # its answer ends the span
+                    half = (now - turn.paid_to) / 2
+                    effects += (Charge(turn.holder, half), Refund(name, half))
+                    turn = replace(turn, paid_to=now, sharing=None)
+                effects.append(Heard(name))
+            elif late.deadline is not None and now >= late.deadline:
+                effects.append(Overdue(name))
+        self._apply(effects, None)
+        return turn
+
+    def _facts(self, now: float, dt: float, observed: Mapping[str, Observation],
+               turn: Holding | Draining | None) -> Facts:
+        accounts = self._ledger.accounts
+        state = self._state
+        holder = None if turn is None else turn.holder
+        native = self._config.policy is Policy.NATIVE
+        waiting: frozenset[str] = frozenset()
+        if not native:
+            # A container cut before it answered still has work of its own on the
+            # GPU: it waits for nothing until it answers.
+            self._barred = {n: until for n, until in self._barred.items()
+                            if until > now and n in accounts}
+            waiting = frozenset(n for n, seen in observed.items()
+                                if seen.waiting and n in accounts and n not in self._late)
+            if self._barred:
+                waiting = self._audited(waiting, turn)
+        names = accounts.keys() if native else waiting | {holder} if holder else waiting
+        seen = self._activity.seen
+        return Facts(
+            now=now, dt=dt, policy=self._config.policy, quantum=self.quantum,
+            grace=self.idle_grace, drain_timeout=self.drain_timeout, rates=self._rates,
+            turn=turn, holder=holder,
+            was_open=state.open if isinstance(state, Native) else frozenset(), waiting=waiting,
+            answered=holder is not None and observed.get(holder, NOTHING).answered,
+            late=dict(self._late), barred=frozenset(self._barred),
+            credits={n: (accounts[n].credit, accounts[n].cap_credit) for n in names},
+            rested={n: seen[n].rested for n in waiting},
+            holder_active=seen[holder].last_active if holder else -NEVER,
+            active=self._activity.active,
+        )
+
+    def _audited(self, waiting: frozenset[str], turn: Holding | Draining | None,
+                 ) -> frozenset[str]:
+        """Those that wait, less the barred, unless that would leave the GPU to
+        nobody: an audit is never paid for with idle time (it ends). (The
+        others are lent the barred one's time: `may_run` asks their cap only.)"""
         others = waiting - self._barred.keys()
-        if (isinstance(state, Holding) and state.holder not in self._barred) or any(
-                self._eligible(n) for n in others):
+        accounts, slack = self._ledger.accounts, self.quantum * ELIGIBLE_SLACK_QUANTA
+        if (isinstance(turn, Holding) and turn.holder not in self._barred) or any(
+                may_run(self._rates[n][0], accounts[n].credit, accounts[n].cap_credit, slack,
+                        lent=True) for n in others):
             return others
         self._barred = {}
         return waiting
 
-    def _launched_through_armed(self, observed: Mapping[str, Observation],
-                                ) -> Mapping[str, Observation]:
-        """`observed`, where a container that launched through its armed gate
-        since the last step is waiting (it wants the GPU as one at the gate)."""
-        through = {n for n in self._armed & self._accounts.keys()
-                   if (seen := observed.get(n)) is not None and not seen.waiting
-                   and self._accounts[n].last_launches not in (None, seen.launches)}
-        if not through:
-            return observed
-        return {n: replace(seen, waiting=True) if n in through else seen
-                for n, seen in observed.items()}
+    def _apply(self, effects: Iterable[Effect], facts: Facts | None) -> None:
+        """The one place where a move's effects change the books."""
+        ledger, activity, late, now = self._ledger, self._activity, self._late, self._now
+        assert now is not None
+        for effect in effects:
+            if isinstance(effect, Charge):
+                ledger.charge(effect.name, effect.seconds)
+            elif isinstance(effect, Grant):
+                activity.pass_over(effect.passed)
+                activity.granted(effect.name, now)
+            elif isinstance(effect, EndTurn):
+                activity.turn_ended(effect.name, now, self.idle_grace)
+            elif isinstance(effect, MarkLate):
+                late[effect.name] = effect.record
+            elif isinstance(effect, Settle):
+                ledger.settle(effect.names, effect.standing, self._rates)
+            elif isinstance(effect, Refund):
+                record = late.get(effect.name)
+                if record is not None:
+                    late[effect.name] = replace(record, refund=record.refund + effect.seconds)
+            elif isinstance(effect, Heard):
+                record = late.pop(effect.name)
+                ledger.charge(effect.name, now - record.since - record.refund)
+            elif isinstance(effect, Overdue):
+                late[effect.name] = replace(late[effect.name], deadline=None)
+            elif isinstance(effect, RunNatively):
+                assert facts is not None
+                ledger.run_natively(effect.names, facts.dt, self._rates)
+            else:  # pragma: no cover - every effect is one of the above
+                raise TransitionError(f"an effect the table does not know: {effect!r}")
 
-    def _accrue(self, dt: float) -> None:
-        # Every container at every step: locals, and no calls (it is the dispatcher's
-        # hot loop).
-        holder, active, rates, burst = self.holder, self._active, self._rates, self.burst_window
-        for name, acc in self._accounts.items():
-            share, cap = rates[name]
-            credit = acc.credit + share * dt
-            cap_credit = acc.cap_credit + cap * dt
-            if name not in active and name != holder:  # idle: no banking beyond a burst
-                if credit > share * burst:
-                    credit = share * burst
-                if cap_credit > cap * burst:
-                    cap_credit = cap * burst
-            acc.credit, acc.cap_credit = credit, cap_credit
+    # -- the decision after the move -------------------------------------------
 
-    def _hear_the_late(self, now: float, observed: Mapping[str, Observation]) -> None:
-        """A late container that answered is charged up to now (less its half of the
-        span it shared) and is late no more; a handover's drain past its deadline
-        is cut: it stays late, as a cut drain does (it shares the span until it
-        answers or the turn ends, and is no overlap that holds off a waker)."""
-        for name in list(self._late):
-            late = self._late[name]
-            if observed.get(name, NOTHING).answered:
-                turn = self._state
-                if isinstance(turn, Holding | Draining) and turn.sharing == name:
-                    self._end_sharing(now)  # the span it shared ends with its answer
-                late = self._late.pop(name)  # with its refund, if sharing just ended
-                self._charge(name, now - late.since - late.refund)
-            elif late.deadline is not None and now >= late.deadline:
-                self._late[name] = replace(late, deadline=None)
-
-    def _eligible(self, name: str, slack: float | None = None) -> bool:
-        """May start a slice: its credits are not below zero, give or take a
-        little (`slack`, by default a quarter quantum of share credit: a
-        container just behind is not left waiting a whole slice for it)."""
-        acc = self._accounts[name]
-        if slack is None:
-            slack = self.quantum * ELIGIBLE_SLACK_QUANTA
-        # While a container is audited, the others may run on its time (it takes the
-        # time back after, from the share credit it accrued): share credit does not
-        # hold them back, caps do.
-        lent = bool(self._barred) and name not in self._barred
-        return (self._rates[name][0] > 0 and (acc.credit >= -slack or lent)
-                and acc.cap_credit >= -1e-9)
-
-    def _waking(self, turn: Turn, now: float, waiting: Set[str]) -> set[str]:
-        """Those that may take the GPU from the holder at once: eligible (share
-        credit not below a quarter quantum's), waiting after a rest of half a
-        quantum (neither launching, waiting nor holding the GPU: a busy
-        container whose processes come back to the gate late after its turn,
-        on a loaded host, is not waking) or owed (`_owed`), and of the
-        holder's priority or higher; none while MAX_OVERLAP handover drains
-        run."""
-        if self._overlaps_full():
-            return set()
-        holder = turn.holder
-        prio = self._allot[holder].preempts
-        return {n for n in waiting
-                if n != holder and (self._accounts[n].rested >= self.quantum * REST_QUANTA
-                                    or self._owed(n, turn, now))
-                and self._eligible(n) and (self._allot[n].preempts or not prio)}
-
-    def _owed(self, name: str, turn: Turn, now: float) -> bool:
-        """Whether `name` is further behind its share than the holder of a slice
-        under way (a grant now would pick it), by OWED_QUANTA quanta of credit,
-        counting what the slice has cost the holder so far: a container whose
-        processes overlap their requests never rests, yet its requests should
-        not wait out a busy holder's slices. (A drain is waited for as before.)"""
-        if not isinstance(turn, Holding):
-            return False
-        holder = turn.holder
-        mine = self._accounts[name].credit
-        unpaid = now - turn.paid_to
-        theirs = self._accounts[holder].credit - (unpaid / 2 if turn.sharing else unpaid)
-        share, holder_share = self._rates[name][0], self._rates[holder][0]
-        owed = self.quantum * OWED_QUANTA
-        return (mine >= theirs + owed and share > 0
-                and (holder_share <= 0 or mine / share > theirs / holder_share))
-
-    # -- the transitions under policies 0-4, one per state -------------------
-
-    def _exclusive(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
-        # A container cut before it answered still has work of its own on the GPU:
-        # it waits for nothing until it answers.
-        self._barred = {n: until for n, until in self._barred.items()
-                        if until > now and n in self._accounts}
-        waiting = {n for n in self._accounts
-                   if observed.get(n, NOTHING).waiting and n not in self._late}
-        if self._barred:
-            waiting = self._audited(waiting)
-        state = self._state
-        if isinstance(state, Holding | Draining):
-            waking = self._waking(state, now, waiting)
-            if waking:
-                self._hand_over(state, now)
-                return self._grant(now, waiting, among=waking, sharing=state.holder)
-        if isinstance(state, Holding):
-            return self._holding(state, now, waiting)
+    def _decide(self, row: Row, state: State, f: Facts) -> SliceDecision:
+        """The gates open until the next step, and when that step comes at the latest."""
+        now = f.now
+        if isinstance(state, Native):
+            return self._decision(state.open, f.native[1], f)
         if isinstance(state, Draining):
-            return self._draining(state, now, observed, waiting)
-        self._state = IDLE  # from Native too: a new policy
-        return self._grant(now, waiting)
-
-    def _hand_over(self, turn: Turn, now: float) -> None:
-        """Handover: the holder's gate closes and the GPU goes to a waking container
-        at once: the driver time-slices the two while the holder drains. The holder
-        is charged until its answer is seen (it is late until then); the next one
-        from then on (the overlap is the cost of what the holder had queued)."""
-        closed = turn.closed_at if isinstance(turn, Draining) else now
-        self._end_turn(turn, now)
-        self._late[turn.holder] = Late(since=now,
-                                       deadline=closed + self.drain_timeout)
-
-    def _holding(self, turn: Holding, now: float, waiting: Set[str]) -> SliceDecision:
-        """Holding: the slice goes on, is renewed (nobody else may take the GPU) or
-        ends (the gate closes: Draining)."""
-        holder = turn.holder
-        # Who would take the GPU if the holder gave it up: under the
-        # work-conserving policies anyone waiting (idle time is lent).
-        lend = self._config.policy.work_conserving
-        # Company that waits: with a share and cap credit left. While any
-        # does, even for share credit only, the holder's turns end as theirs
-        # do, with a drain, and it takes more of them (it may be granted again
-        # at once), not longer ones: else the smaller share would pay a
-        # drain's cost per turn more often than the larger for the same GPU time.
-        waiting_company = {n for n in waiting - {holder}
-                           if self._rates[n][0] > 0 and self._accounts[n].cap_credit >= 0}
-        others = {n for n in waiting - {holder}
-                  if self._eligible(n) or (lend and n in waiting_company)}
-        takes_turns = bool(others or waiting_company)
-        idle = now - self._accounts[holder].last_active >= self.idle_grace
-        preempted = not self._allot[holder].preempts and any(
-            self._allot[n].preempts and self._eligible(n) for n in others)
-        if takes_turns:  # no longer alone: a slice for the company it has now
-            turn = replace(turn, slice_end=min(turn.slice_end, turn.slice_start
-                                               + self.quantum))
-        ended = now >= turn.slice_end
-        if ended:  # charge the slice so far: is there credit for another?
-            turn = replace(turn, paid_to=self._pay(turn, now))
-        gives_up = idle and self._idle_gives_up(holder, bool(others))
-        if (preempted or (takes_turns and ended) or gives_up
-                or (ended and not self._eligible(holder, slack=1e-9))):
-            # Closed now: the answers in `observed` predate this close.
-            self._state = Draining(holder, closed_at=now, paid_to=turn.paid_to,
-                                   sharing=turn.sharing)
-            return self._decision(frozenset(), now + self.drain_timeout)
-        if ended:  # nobody else may take it: a new slice, no drain
-            company = self._active - {holder}
-            alone = LONE_SLICE if self._rates[holder][0] >= 1 else self.quantum * MAX_QUANTA
-            turn = replace(turn, slice_start=now,
-                           slice_end=now + (self.quantum if company else alone))
-        self._state = turn
-        idle_at = NEVER
-        if self._idle_gives_up(holder, bool(others)):
-            idle_at = self._accounts[holder].last_active + self.idle_grace
-        return self._decision(frozenset({holder}), turn.slice_end, idle_at,
-                              lone=not others and not self._late)
-
-    def _draining(self, turn: Draining, now: float, observed: Mapping[str, Observation],
-                  waiting: set[str]) -> SliceDecision:
-        """Draining: the holder's answer is awaited until the drain timeout; then
-        (cut or not) its turn ends and the GPU is granted in the same step."""
-        holder = turn.holder
-        seen = observed.get(holder, NOTHING)
-        if not seen.answered and now < turn.closed_at + self.drain_timeout:  # as wake_at is
-            return self._decision(frozenset(), turn.closed_at + self.drain_timeout)
-        # Charged until its answer is seen: what it queued ran past the slice's
-        # end, and the time it took to say so kept the GPU from the others. The
-        # drain time the answer names is the processes' own claim: one dated
-        # early would make the others pay for a late answer.
-        self._end_turn(turn, now)
-        if seen.answered:
-            return self._grant(now, waiting)
-        # Cut: charged on until it answers, and not granted before. Its queued
-        # work runs on beside the next holder, which the driver time-slices
-        # with it: until it answers, or that turn ends, the span is shared and
-        # paid half by each, as after a handover (charging both in full would
-        # owe time that nobody used, and leave the GPU idle while it is repaid).
-        self._late[holder] = Late(since=now)
-        waiting.discard(holder)
-        return self._grant(now, waiting, sharing=holder)
-
-    def _native(self, now: float, dt: float) -> SliceDecision:
-        """Native (policy 5): every gate open, but a capped container's only while its
-        cap credit lasts. It is charged the time its gate was open while it was
-        active, and after each close until its drain answer: the time it had
-        work on the GPU (an upper bound of its GPU time, which the driver's
-        own time slicing hides)."""
-        state = self._state
-        if isinstance(state, Holding | Draining):  # a new policy ends the turn
-            self._end_turn(state, now)
-        was_open = state.open if isinstance(state, Native) else frozenset()
-        open_: set[str] = set()
-        wake_at = NEVER
-        for name, acc in self._accounts.items():
-            cap = self._rates[name][1]
-            if name in was_open and name in self._active:
-                acc.used += dt
-                if cap < 1:
-                    acc.cap_credit -= dt
-            if cap >= 1 or (acc.cap_credit >= 0 and name not in self._late):
-                open_.add(name)
-                if cap < 1:  # when it would run out, charged all along
-                    wake_at = min(wake_at, now + max(acc.cap_credit / (1 - cap), self.idle_grace))
-                continue
-            if name in was_open:
-                self._late[name] = Late(since=now)  # charged on until its drain answer
-            if cap > 0:
-                wake_at = min(wake_at, now + max(-acc.cap_credit / cap, self.idle_grace))
-        self._state = Native(frozenset(open_))
-        return self._decision(frozenset(open_), wake_at)
-
-    # -- what the transitions share -------------------------------------------
-
-    def _pay(self, turn: Turn, now: float) -> float:
-        """Charge `turn`'s holder since it last paid (nothing of a span it still
-        shares); what it has paid up to now."""
-        if turn.sharing is not None:
-            return turn.paid_to
-        self._charge(turn.holder, now - turn.paid_to)
-        return now
-
-    def _end_sharing(self, now: float) -> None:
-        """The span in which a handover's holder and the drain it overlaps shared the
-        GPU has ended (a handover's drain answered or was cut, or the holder's turn
-        ended): each pays half of it, as the driver's time slicing gives each about
-        half."""
-        turn = self._state
-        if not isinstance(turn, Holding | Draining) or turn.sharing is None:
-            return
-        half = (now - turn.paid_to) / 2
-        drainer = self._late.get(turn.sharing)
-        if drainer is not None:
-            self._late[turn.sharing] = replace(drainer, refund=drainer.refund + half)
-        self._charge(turn.holder, half)
-        self._state = replace(turn, paid_to=now, sharing=None)
-
-    def _end_turn(self, turn: Turn, now: float) -> None:
-        """The holder's turn is over (it has answered, is late, or the GPU is handed
-        over): charged up to now, and Idle. Waiting on, it is not waking."""
-        self._state = replace(turn, paid_to=self._pay(turn, now))
-        self._end_sharing(now)
-        acc = self._accounts[turn.holder]
-        acc.rested = 0.0
-        if now - acc.last_active < self.idle_grace:  # busy to the end: a rest starts now
-            acc.last_active = now
-        self._state = IDLE
-
-    def _idle_gives_up(self, holder: str, company: bool) -> bool:
-        """Whether `holder`, if it goes idle, gives the GPU up (so is watched for
-        it): when someone else waits (`company`) or drains; where unused time
-        stays idle (policies 0, 2, 3), alone too, or it would pay for time
-        nobody used. Not alone with a share of the whole GPU: nobody else may
-        use it then, so its idle time is nobody's loss, as where it is lent."""
-        if company or self._late:
-            return True
-        return not (self._config.policy.work_conserving or self._rates[holder][0] >= 1)
-
-    def _overlaps_full(self) -> bool:
-        """MAX_OVERLAP handover drains run: nobody more may wake into the GPU."""
-        return sum(late.deadline is not None for late in self._late.values()) >= MAX_OVERLAP
-
-    def _settle(self, waiting: Set[str]) -> None:
-        """Take out of the books what nobody is owed, before a grant.
-
-        Under the work-conserving policies time used while nobody else wanted
-        the GPU is lent, not owed: when every waiting container owes time,
-        their common debt goes (keeping their standing relative to their
-        shares)."""
-        if not self._config.policy.work_conserving:
-            return
-        owed = [n for n in waiting if self._rates[n][0] > 0]
-        standing = [self._accounts[n].credit / self._rates[n][0] for n in owed]
-        if standing and max(standing) < 0:
-            for name in owed:
-                self._accounts[name].credit -= max(standing) * self._rates[name][0]
-
-    def _grant(self, now: float, waiting: Set[str], among: Set[str] | None = None,
-               sharing: str | None = None) -> SliceDecision:
-        """Idle: the GPU to the most owed of `among` (by default: of those waiting),
-        or to nobody yet. After a handover, the new holder shares the GPU with
-        the drain of the one it was handed over by (`sharing`)."""
-        self._settle(waiting)
-        candidates = [n for n in (waiting if among is None else among) if self._eligible(n)]
-        if candidates:
-            prio = [n for n in candidates if self._allot[n].preempts]
-            pool = prio or candidates
-            # The most owed for its share: the furthest behind in wall-clock time.
-            chosen = max(pool, key=lambda n: (self._accounts[n].credit / self._rates[n][0], n))
-            for name in waiting:  # passed over, or granted: none of them is waking now
-                self._accounts[name].rested = 0.0
-            self._state = Holding(chosen, slice_start=now,
-                                  slice_end=now + self.quantum, paid_to=now,
-                                  sharing=sharing)
-            self._accounts[chosen].last_active = now
+            return self._decision(frozenset(), state.closed_at + self.drain_timeout, f)
+        if isinstance(state, Holding) and row.name in ("slice", "renewed"):
+            holder = state.holder
             idle_at = NEVER
-            if self._idle_gives_up(chosen, len(waiting) > 1):
-                idle_at = now + self.idle_grace
-            return self._decision(frozenset({chosen}), self._state.slice_end, idle_at,
-                                  lone=len(waiting) <= 1 and not self._late)
-        # Nobody may run now: wake when the first waiting one's credits allow.
-        wake_at = NEVER
-        for name in waiting:
-            share, cap = self._rates[name]
-            acc = self._accounts[name]
-            if share <= 0:
-                continue
-            slack = self.quantum * ELIGIBLE_SLACK_QUANTA
-            need = max((-acc.credit - slack) / share,
-                       -acc.cap_credit / cap if cap > 0 else NEVER, 0.0)
-            wake_at = min(wake_at, now + need)
-        return self._decision(frozenset(), wake_at)
+            if f.gives_up_when_idle(holder, bool(f.others), self._late):
+                idle_at = f.holder_active + self.idle_grace
+            return self._decision(frozenset({holder}), state.slice_end, f, idle_at,
+                                  lone=not f.others and not self._late)
+        pool = f.waiting - {f.holder} if row.name == "cut" and f.holder else f.waiting
+        if isinstance(state, Holding):  # a grant
+            company = len(pool) > 1
+            idle_at = now + self.idle_grace if f.gives_up_when_idle(
+                state.holder, company, self._late) else NEVER
+            return self._decision(frozenset({state.holder}), state.slice_end, f, idle_at,
+                                  lone=not company and not self._late)
+        return self._decision(frozenset(), f.grant(pool).wake_at, f)
 
-    def _decision(self, open_: frozenset[str], wake_at: float,
+    def _decision(self, open_: frozenset[str], wake_at: float, f: Facts,
                   idle_at: float = NEVER, *, lone: bool = False) -> SliceDecision:
         """The decision to step again at `wake_at` at the latest, and at `idle_at`
         if only to see whether the holder went idle (`IdleWatch`; `lone`: nobody
         else waits for the GPU, so the watch may be patient)."""
-        deadlines = (late.deadline for late in self._late.values() if late.deadline is not None)
-        wake_at = min((wake_at, *deadlines, *self._barred.values()))  # a cut, an audit's end
-        armed, rested_at = self._arm(open_)
-        self._armed = armed
+        if self._late or self._barred:  # a cut, an audit's end
+            deadlines = (late.deadline for late in self._late.values()
+                         if late.deadline is not None)
+            wake_at = min((wake_at, *deadlines, *self._barred.values()))
+        armed, rested_at = self._arm(open_, f)
+        self._activity.armed = armed
         wake_at = min(wake_at, rested_at)
         holder = self.holder
         watch = None
@@ -823,34 +1344,35 @@ class SliceScheduler:
             watch = IdleWatch(holder, at=idle_at, grace=self.idle_grace, otherwise=wake_at,
                               patience=self.quantum if lone else self.idle_grace)
         return SliceDecision(open=open_, holder=holder, wake_at=min(wake_at, idle_at),
-                             shares=dict(self._shares), armed=armed, idle_watch=watch)
+                             shares=self._shares, armed=armed, idle_watch=watch)
 
-    def _arm(self, open_: frozenset[str]) -> tuple[frozenset[str], float]:
+    def _arm(self, open_: frozenset[str], f: Facts) -> tuple[frozenset[str], float]:
         """The containers that would take the GPU at once if they waited now (as
-        `_waking` has it: rested, eligible, of the holder's priority or
-        higher), and when the next of the others has rested long enough. Never
-        the holder: a draining holder whose gate let launches through would not
-        drain."""
-        if self._config.policy is Policy.NATIVE or self._now is None or self._overlaps_full():
+        `Facts.waking` has it: rested, may run, of the holder's priority or
+        higher; by their credits after this step's move, and by the share and
+        priority they have once they wait), and when the next of the others has
+        rested long enough. Never the holder: a draining holder whose gate let
+        launches through would not drain."""
+        if f.policy is Policy.NATIVE or sum(
+                late.deadline is not None for late in self._late.values()) >= MAX_OVERLAP:
             return frozenset(), NEVER
         holder = self.holder
-        prio = holder is not None and self._allot[holder].preempts
-        slack = self.quantum * ELIGIBLE_SLACK_QUANTA
+        prio = holder is not None and self._rates[holder][2]
+        now, slack, rest = f.now, f.slack, self.quantum * REST_QUANTA
+        skip = open_ | self._late.keys() | self._barred.keys()
+        if holder is not None:
+            skip |= {holder}
         armed: set[str] = set()
         rested_at = NEVER
-        for name, acc in self._accounts.items():
-            spec = self._config.containers[name]
-            if (name in open_ or name == holder or name in self._late
-                    or name in self._barred or acc.last_waiting == self._now
-                    or spec.weight <= 0
-                    or (prio and not spec.highprio)
-                    or acc.credit < -slack or acc.cap_credit < -1e-9):
+        for name, mine, acc, share, preempts in self._armable:
+            if (mine.last_waiting == now or name in skip or (prio and not preempts)
+                    or not may_run(share, acc.credit, acc.cap_credit, slack)):
                 continue
-            ready = acc.last_active + self.quantum * REST_QUANTA
-            if ready <= self._now:
+            ready = mine.last_active + rest
+            if ready <= now:
                 armed.add(name)
-            else:
-                rested_at = min(rested_at, ready)
+            elif ready < rested_at:
+                rested_at = ready
         return frozenset(armed), rested_at
 
     # -- state kept across a daemon restart or hot update -------------------
@@ -860,7 +1382,7 @@ class SliceScheduler:
         return {
             "accounts": {
                 n: {"credit": a.credit, "cap_credit": a.cap_credit, "used": a.used}
-                for n, a in self._accounts.items()
+                for n, a in self._ledger.accounts.items()
             },
         }
 
@@ -870,7 +1392,7 @@ class SliceScheduler:
         The clock is not restored (a new process may have another clock), so
         the first step after a restore charges nothing."""
         for name, saved in dict(state.get("accounts", {})).items():
-            acc = self._accounts.get(name)
+            acc = self._ledger.accounts.get(name)
             if acc is None:
                 continue
             acc.credit = float(saved.get("credit", 0.0))
