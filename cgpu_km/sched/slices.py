@@ -20,7 +20,12 @@ wall time, pays for the GPU time it held) and a cap credit for
 ``util_limit`` (accrues ``cap * dt``, never forgiven). The next holder is
 the waiting container owed the most (a preempting one first), among those
 whose credits are not negative; when none is, the GPU stays idle until one
-is (that is how shares below 1 hold under policies 0, 2 and 3). Positive
+is (that is how shares below 1 hold under policies 0, 2 and 3). A
+preempting container that may run and waits ends another's slice at once,
+unless that one was granted while it could not run: then the slice is the
+other's turn, as long as any (cut short whenever the preempting one's credit
+came back, the other's turns were slivers that each paid a whole drain: a
+capped container beside it lost a fifth of its cap). Positive
 credit is clamped to a short burst while a container is idle (no banking). A
 lone busy holder keeps the GPU without a drain: its slice is renewed while
 nobody else waits and its credit allows. One that waits for credit only is
@@ -117,8 +122,9 @@ The guards, each defined once in `Facts`:
   higher, while fewer than MAX_OVERLAP handover drains run.
 - company: other waiting containers with a share and cap credit; others:
   those that may run, and under policies 1 and 4 all the company.
-- preempted: a preempting container that may run waits, and the holder
-  does not preempt.
+- preempted: a preempting container that may run waits, the holder does
+  not preempt, and it does not keep its slice (`Holding.keeps_slice`: it
+  was granted while such a one waited and could not run).
 - idle: the holder neither launched nor waited for the idle grace, and it
   gives the GPU up: someone else waits or drains, or, where unused time
   stays idle (policies 0, 2, 3), unless its share is the whole GPU.
@@ -265,6 +271,9 @@ class Holding:
     # Handed over by this container, whose drain runs beside: until it ends, the
     # time since `paid_to` is shared, paid half by each.
     sharing: str | None = None
+    # Granted while a preempting container that waited could not run: its slice
+    # is its turn, and no preemption ends it.
+    keeps_slice: bool = False
 
 
 @dataclass(frozen=True)
@@ -583,6 +592,7 @@ class GrantChoice:
     chosen: str | None
     settled: tuple[str, ...]
     standing: float  # the common debt forgiven, in seconds of wall time (<= 0)
+    keeps_slice: bool
     wake_at: float  # nobody chosen: when the first of `pool` may run
 
 
@@ -713,10 +723,12 @@ class Facts:
     @_once
     def preempted(self) -> bool:
         """A preempting container that may run waits, and the holder does not
-        preempt."""
+        preempt, nor was it granted while such a one could not run (then the
+        slice is its turn: a turn is a slice, and one cut short at each of the
+        preempting one's turns would pay a drain for a sliver)."""
         turn = self.turn
         assert isinstance(turn, Holding)
-        if self.rates[turn.holder][2]:
+        if self.rates[turn.holder][2] or turn.keeps_slice:
             return False
         return any(self.rates[n][2] and self.may_run(n) for n in self.others)
 
@@ -728,6 +740,13 @@ class Facts:
         credit, cap_credit = self.credits[holder]
         return may_run(self.rates[holder][0], credit - self.unpaid, cap_credit - self.unpaid,
                        ROUNDING, bool(self.barred) and holder not in self.barred)
+
+    def keeps_slice(self, chosen: str, passed: Iterable[str], credit: Callable[[str], bool]
+                    ) -> bool:
+        """A grant to `chosen` passed over a preempting container that could not
+        run (`credit`): the slice is `chosen`'s, unpreempted."""
+        return not self.rates[chosen][2] and any(
+            self.rates[n][2] and not credit(n) for n in passed if n != chosen)
 
     # Handovers.
 
@@ -802,11 +821,12 @@ class Facts:
             return may_run(rates[n][0], credit, cap_credit, slack, lent and n not in self.barred)
 
         candidates = [n for n in (pool if among is None else among) if runs(n)]
-        chosen, wake_at = None, NEVER
+        chosen, wake_at, keeps = None, NEVER, False
         if candidates:
             prio = [n for n in candidates if rates[n][2]]
             # The most owed for its share: the furthest behind in wall-clock time.
             chosen = max(prio or candidates, key=lambda n: (settled[n][0] / rates[n][0], n))
+            keeps = self.keeps_slice(chosen, pool, runs)
         else:  # nobody may run now: wake when the first one's credits allow
             for name in owing:
                 share, cap, _ = rates[name]
@@ -814,7 +834,7 @@ class Facts:
                 need = max((-credit - slack) / share,
                            -cap_credit / cap if cap > 0 else NEVER, 0.0)
                 wake_at = min(wake_at, self.now + need)
-        choice = GrantChoice(chosen, owing if standing < 0 else (), standing, wake_at)
+        choice = GrantChoice(chosen, owing if standing < 0 else (), standing, keeps, wake_at)
         self._grants[key] = choice
         return choice
 
@@ -900,7 +920,7 @@ def _granted(f: Facts, effects: list[Effect], pool: frozenset[str],
         return IDLE, tuple(effects)
     effects.append(Grant(choice.chosen, pool))
     return Holding(choice.chosen, slice_start=f.now, slice_end=f.now + f.quantum,
-                   paid_to=f.now, sharing=sharing), tuple(effects)
+                   paid_to=f.now, sharing=sharing, keeps_slice=choice.keeps_slice), tuple(effects)
 
 
 def _native(state: State, f: Facts) -> Move:
@@ -938,7 +958,8 @@ def _renew(state: State, f: Facts) -> Move:
     renewed = Holding(holder, slice_start=f.now,
                       slice_end=f.now + (f.quantum if company else alone),
                       paid_to=turn.paid_to if turn.sharing is not None else f.now,
-                      sharing=turn.sharing)
+                      sharing=turn.sharing,
+                      keeps_slice=f.keeps_slice(holder, f.waiting, f.may_run))
     return renewed, (Charge(holder, f.unpaid),) if f.unpaid else ()
 
 

@@ -374,3 +374,26 @@ def test_active_at_cannot_move_a_container_forward_in_time() -> None:
     later = s.step(0.001, {"x": WAITING, "y": Observation(launches=1, active_at=5.0)})
     assert later.idle_watch is not None
     assert later.idle_watch.at == pytest.approx(0.003)
+
+
+def test_a_holder_granted_while_a_preempting_one_could_not_run_keeps_its_slice() -> None:
+    """hi (highprio, 0.8) runs its slice and answers late: 6 ms behind, it may
+    not run, and lo is granted. hi's credit comes back within 2 ms, yet lo's
+    slice is its turn: preempted at once, each of lo's turns was a sliver
+    that paid a whole drain (`CAPPED_BESIDE_PREEMPTING` in test_slices.py)."""
+    config = GpuConfig(policy=Policy.PREEMPTIVE, prio_ratio=80,
+                       containers={"hi": W(1, highprio=True), "lo": W(1)})
+    s = SliceScheduler(config, quantum=0.02, drain_timeout=0.1)
+    assert s.step(0.0, {"hi": WAITING, "lo": WAITING}).holder == "hi"
+    s.step(0.02, {"hi": busy(1), "lo": WAITING})
+    assert state(s) == Draining("hi", closed_at=0.02, paid_to=0.02)
+    s.step(0.03, {"hi": busy(1), "lo": WAITING})  # it answers 10 ms after the close
+    assert s.credits()["hi"] == pytest.approx(0.8 * 0.03 - 0.03)
+    assert state(s) == Holding("lo", slice_start=0.03, slice_end=0.05, paid_to=0.03,
+                               keeps_slice=True)
+    s.step(0.032, {"hi": busy(1), "lo": busy(1)})
+    assert s.credits()["hi"] >= -0.02 * 0.25, "hi may run again"
+    assert state(s) == Holding("lo", slice_start=0.03, slice_end=0.05, paid_to=0.03,
+                               keeps_slice=True), "not preempted"
+    s.step(0.05, {"hi": busy(1), "lo": busy(2)})
+    assert state(s) == Draining("lo", closed_at=0.05, paid_to=0.05), "its slice ends as any"
