@@ -21,7 +21,7 @@ from cgpu_km.sched import (
     SliceScheduler,
     allotments,
 )
-from cgpu_km.sched.slices import Draining
+from cgpu_km.sched.slices import ELIGIBLE_SLACK_QUANTA, QUANTUM, Draining
 from tests.sched.oracle import busy_shares
 from tests.sched.slice_model import Proc, kernels, run
 
@@ -112,16 +112,32 @@ CAPPED_BESIDE_PREEMPTING: Scenario = (
 )
 
 
+SWITCHING = 0.04  # the part of its time a turn's switches may cost a container
+
+
+def one_turn(scenario: Scenario, name: str) -> float:
+    """The most GPU time `name` may be ahead of its share when a run ends: one
+    turn (its slice, begun as far behind as may be, and the work its
+    processes queued past the close)."""
+    queued = sum(kernel * depth for owner, kernel, depth in scenario[1] if owner == name)
+    return QUANTUM * (1 + ELIGIBLE_SLACK_QUANTA) + queued + 0.001
+
+
 def assert_the_policy_table(scenario: Scenario, duration: float = 4.0) -> None:
+    """Busy containers get the shares of the policy table, measured as they are
+    (no rescaling to what the shares allow: GPU time that leaks away idle, or
+    is given beyond the shares, fails it). In all, the GPU time used is what
+    the shares allow, less at most SWITCHING (switching costs little), more by
+    at most one turn a container (a run may end just after one's turn); each
+    container gets its share, give or take 0.02, less its part of SWITCHING."""
     config = scenario[0]
     got = fractions(config, processes(scenario), duration)
     want = busy_shares(config)  # the table, worked out apart from allotments()
     total, allowed = sum(got.values()), sum(want.values())
-    # Switching costs the GPU little: what the shares allow is used ...
-    assert total >= allowed - 0.04, got
-    # ... and it is split as the table says.
-    for name, share in want.items() if allowed > 0 else ():
-        assert got[name] / total * allowed == pytest.approx(share, abs=0.02), (got, want)
+    ahead = sum(one_turn(scenario, name) for name, share in want.items() if share > 0)
+    assert allowed - SWITCHING <= total <= allowed + ahead / duration, (got, want)
+    for name, share in want.items():
+        assert share * (1 - SWITCHING) - 0.02 <= got[name] <= share + 0.02, (name, got, want)
 
 
 @MODEL_RUNS
