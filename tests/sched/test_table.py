@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -140,6 +141,15 @@ def kinds(of: tuple[type, ...], each: str = "{}", between: str = ", ") -> str:
     if set(of) == set(KINDS.values()):
         return "any"
     return between.join(each.format(kind.__name__) for kind in of)
+
+
+def test_the_developer_docs_show_the_codes_table() -> None:
+    """docs/developer/scheduler.md: one line per row, in the table's order."""
+    page = (Path(__file__).parents[2] / "docs/developer/scheduler.md").read_text()
+    lines = [f"| `{row.name}` | {kinds(row.source, '`{}`')} | {row.when} | "
+             f"{kinds(row.targets, '`{}`')} | {row.does} |" for row in TABLE]
+    shown = [line for line in page.splitlines() if line in lines]
+    assert shown == lines
 
 
 def test_the_module_docstring_shows_the_codes_table() -> None:
