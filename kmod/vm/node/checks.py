@@ -27,6 +27,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -43,11 +44,15 @@ SIMGPU_DEVICES = "Tesla T4:15109MiB,Tesla V100-SXM2-16GB:16160MiB"
 GPU_TOTALS = (15109 * MIB, 16160 * MIB)
 METRICS = "http://127.0.0.1:9400/metrics"
 US = 2000  # sharework's kernels: 2 ms of GPU time each
-# A TCG guest on a shared 2-core host: a loaded host once left 4 s of 1:2 at -18%, and
-# on a slower day the heavier weight's window ran over in every run (1:2 at -14 to
-# -20%, 4:2 at +23 to +32%, also 2 s after the change: a bias, not a transient; make
-# bench does not show it). A third still tells each window's target from the others'
-# (0.5, 1 and 2: the bands 0.34-0.66, 0.67-1.33 and 1.34-2.66 do not meet).
+# A TCG guest on a shared 2-core host: the jobs' counts miss a window's ratio by up
+# to 17% at 1:1 and 54% at 4:2, either way, while the daemon's charged time, printed
+# beside them, holds it within 6% over the same spans (bar two of 14: +23% and -29%
+# where 2 s held a few long turns). The guest gets a fraction of a core at times;
+# simgpu's engine runs on wall time, and the jobs keep it only 35-83% busy, 2 ms
+# kernels 2 or 8 deep alike. That idle time is the holder's, charged to it, and each
+# job completes 26-84% of its charged time, differently per window: a third, not 15%.
+# It still tells each window's target from the others' (0.5, 1 and 2: the bands
+# 0.34-0.66, 0.67-1.33 and 1.34-2.66 do not meet).
 SHARE_TOLERANCE = 0.33
 GATE_TIMEOUT = 2.0  # the region's heartbeat timeout, seconds
 HELD_BEATS = 6  # the daemon's heartbeats (0.5 s apart) over which a held job runs nothing
@@ -230,7 +235,7 @@ class Report:
         """Kernels completed in the buckets that lie inside [start, end)."""
         first = max(0, math.ceil((start - self.t0) / self.bucket - 1e-6))
         last = min(len(self.buckets), math.floor((end - self.t0) / self.bucket + 1e-6))
-        return sum(self.buckets[first:last])
+        return sum(self.buckets[first:max(first, last)])
 
     def first_after(self, start: float) -> float | None:
         """The end of the first bucket after `start` with a completed kernel."""
@@ -540,21 +545,28 @@ def shares(node: Node) -> None:
     seconds, step = 15.0, 5.0  # 4 s windows after 1 s to settle
     a = sharework(node, "job-a", seconds, "--weight", "1")
     b = sharework(node, "job-b", seconds, "--weight", "2")
-    t0 = start_together([a, b])
-    sleep_until(t0 + 2)
-    smi = run(str(BIN / "cgpu-smi")).stdout
-    node.check("smi: cgpu-smi shows both jobs", "job-a" in smi and "job-b" in smi,
-               " ".join(line.strip() for line in smi.splitlines() if "job-" in line)[:200])
-    sleep_until(t0 + step)
-    echo(2, "0/policy")
-    policy_at = time.monotonic()
-    sleep_until(t0 + 2 * step)
-    echo(4, "0/job-a/weight")
-    weight_at = time.monotonic()
-    target = wait_target_share(0.667, "job-a", 3.0)
-    node.check("tuning: /metrics' target share of job-a follows weight 4 of 6",
-               target is not None and abs(target - 4 / 6) < 0.01, f"{target}")
-    reports = {job.name: parse_report(job.finish(seconds + 60)) for job in (a, b)}
+    with ChargedLog(("job-a", "job-b")) as charged:
+        t0 = start_together([a, b])
+        sleep_until(t0 + 2)
+        smi = run(str(BIN / "cgpu-smi")).stdout
+        node.check("smi: cgpu-smi shows both jobs", "job-a" in smi and "job-b" in smi,
+                   " ".join(line.strip() for line in smi.splitlines() if "job-" in line)[:200])
+        sleep_until(t0 + step)
+        echo(2, "0/policy")
+        policy_at = time.monotonic()
+        sleep_until(t0 + 2 * step)
+        echo(4, "0/job-a/weight")
+        weight_at = time.monotonic()
+        target = wait_target_share(0.667, "job-a", 3.0)
+        node.check("tuning: /metrics' target share of job-a follows weight 4 of 6",
+                   target is not None and abs(target - 4 / 6) < 0.01, f"{target}")
+        reports = {job.name: parse_report(job.finish(seconds + 60)) for job in (a, b)}
+        sleep_until(t0 + seconds + 2.5)  # the daemon's snapshot after the end
+    for snapshot in charged.snapshots:
+        counted = [reports[n].count(t0, snapshot.at) * US / 1e6 for n in charged.names]
+        say(f"# charged at {snapshot.at - t0:6.2f} s: " + "  ".join(
+            f"{n} {snapshot.used[n]:7.3f} s (counted {k:7.3f} s)"
+            for n, k in zip(charged.names, counted, strict=True)))
     windows = (("policy 1: 1:1", t0 + 1, policy_at, 1.0),
                ("echo 2 > 0/policy: 1:2", policy_at + 1, weight_at, 0.5),
                ("echo 4 > 0/job-a/weight: 4:2", weight_at + 1, t0 + seconds, 2.0))
@@ -564,8 +576,81 @@ def shares(node: Node) -> None:
         busy = (ka + kb) * US / 1e6 / (end - start)
         node.check(f"shares: {label} counted in the jobs", abs(error) <= SHARE_TOLERANCE,
                    f"kernels {ka}:{kb} over {end - start:.1f} s, ratio error {error:+.1%} "
-                   f"(tolerance {SHARE_TOLERANCE:.0%}), GPU busy {busy:.0%}")
+                   f"(tolerance {SHARE_TOLERANCE:.0%}), GPU busy {busy:.0%}; "
+                   f"{charged_beside_counted(charged, reports, start, end, target_ratio)}")
     watchdog_kept(node, before)
+
+
+@dataclass(frozen=True)
+class Charged:
+    """The daemon's charged GPU seconds of each job at one snapshot (CLOCK_MONOTONIC s)."""
+
+    at: float
+    used: dict[str, float]
+
+
+class ChargedLog:
+    """Every snapshot of /metrics' `cgpu_container_gpu_time_seconds_total` (the
+    dispatcher's charged time; published every 2 s) while the jobs run, read in a
+    thread, so that a window's charged time can be set beside what the jobs counted
+    over the same span."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self.snapshots: list[Charged] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> ChargedLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        seen = None
+        while not self._done.wait(1.0):
+            with suppress(OSError, ValueError):
+                samples = metrics()
+                stamp = sample(samples, "cgpu_snapshot_timestamp_seconds")
+                used = {name: sample(samples, "cgpu_container_gpu_time_seconds_total",
+                                     container=name) for name in self.names}
+                if stamp is None or stamp == seen or None in used.values():
+                    continue
+                seen = stamp
+                at = stamp - (time.time() - time.monotonic())  # the guest's wall -> monotonic
+                self.snapshots.append(Charged(at, {n: u or 0.0 for n, u in used.items()}))
+
+    def span(self, start: float, end: float) -> tuple[Charged, Charged] | None:
+        """The first and last snapshots within [start, end], if two are."""
+        inside = [s for s in self.snapshots if start <= s.at <= end]
+        return (inside[0], inside[-1]) if len(inside) >= 2 else None
+
+
+def charged_beside_counted(log: ChargedLog, reports: dict[str, Report], start: float,
+                           end: float, target: float) -> str:
+    """The daemon's charged GPU time of each job beside the GPU time its completed
+    kernels stand for, over the span of the snapshots inside [start, end]."""
+    span = log.span(start, end)
+    if span is None:
+        return "the daemon's charged time: fewer than two snapshots in the window"
+    first, last = span
+    charged = [last.used[n] - first.used[n] for n in log.names]
+    counted = [reports[n].count(first.at, last.at) * US / 1e6 for n in log.names]
+    used = "/".join(f"{k / c:.0%}" if c > 0 else "-" for k, c in zip(counted, charged,
+                                                                   strict=True))
+    return (f"over its {last.at - first.at:.1f} s between the daemon's snapshots, charged "
+            f"{charged[0]:.3f}:{charged[1]:.3f} s (ratio error "
+            f"{ratio_error_of(charged, target):+.1%}), counted {counted[0]:.3f}:"
+            f"{counted[1]:.3f} s ({ratio_error_of(counted, target):+.1%}): {used} of the "
+            f"charged time completed")
+
+
+def ratio_error_of(pair: Sequence[float], target: float) -> float:
+    """`ratio_error` of two GPU times."""
+    return pair[0] / pair[1] / target - 1 if pair[1] > 0 else float("inf")
 
 
 def wait_target_share(value: float, container: str, timeout: float) -> float | None:
@@ -902,6 +987,17 @@ PHASES: tuple[Callable[[Node], None], ...] = (
     kernel_log)
 
 
+def phases_until() -> tuple[Callable[[Node], None], ...]:
+    """PHASES, or those up to the one that `cgpu.until=NAME` on the kernel command line
+    names (run.sh's NODE_VM_UNTIL: `shares` runs the install, the units and the shares)."""
+    words = Path("/proc/cmdline").read_text().split()
+    until = next((w.partition("=")[2] for w in words if w.startswith("cgpu.until=")), "")
+    names = [phase.__name__ for phase in PHASES]
+    if until not in names:
+        return PHASES
+    return PHASES[:names.index(until) + 1]
+
+
 def dump_journal() -> None:
     say("CGPU-NODE: journal of the cgpu units")
     out = run("journalctl", "--no-pager", "-o", "short-monotonic", "-u", "cgpu-kmod",
@@ -930,12 +1026,15 @@ def main(argv: Sequence[str]) -> int:
     with timed(node.results):
         try:
             simgpu_devices(node)
-            for index, step in enumerate(PHASES):
+            phases = phases_until()
+            if phases != PHASES:
+                say(f"CGPU-NODE: only the phases up to {phases[-1].__name__} (cgpu.until)")
+            for index, step in enumerate(phases):
                 try:
                     step(node)
                 except Exception as error:  # a bug here fails the run too, with its reason
                     node.check(step.__name__, False, f"{type(error).__name__}: {error}")
-                    left = [later.__name__ for later in PHASES[index + 1:]]
+                    left = [later.__name__ for later in phases[index + 1:]]
                     if left:
                         node.check("not run", False, " ".join(left))
                     break

@@ -7,7 +7,8 @@
 # Usage: run.sh KERNEL_VERSION MODULE.ko   (make -C kmod node-test)
 # Env: NODE_VM_TIMEOUT (seconds, default 480), NODE_VM_SMP (default 2),
 #      NODE_VM_MEM (MiB, default 2048), NODE_VM_LOG (console log, default
-#      kmod/build/node/console.log).
+#      kmod/build/node/console.log), NODE_VM_UNTIL (a phase of checks.py: run
+#      the phases up to it only, e.g. shares).
 # On the host it writes only under kmod/build/node/ (the share is read-only;
 # the guest writes to its tmpfs). Fails when a check fails, when no result
 # line arrives in time, and on BUG:/WARNING:/Oops in the kernel's console.
@@ -111,6 +112,7 @@ pack_initramfs() {
 cmdline() {
 	printf '%s' "console=ttyS0 panic=-1 quiet cgpu.repo=$repo systemd.unit=cgpu-node-test.target"
 	printf '%s' " systemd.show_status=error systemd.firstboot=0"
+	[ -z "${NODE_VM_UNTIL:-}" ] || printf ' cgpu.until=%s' "$NODE_VM_UNTIL"
 	for unit in $MASKED; do printf ' systemd.mask=%s' "$unit"; done
 }
 
