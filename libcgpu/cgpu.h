@@ -147,6 +147,9 @@ static inline void cgpu_launching_end(int g)
 extern uint32_t cgpu_watching[CGPU_MAX_GPUS] CGPU_HIDDEN;
 /* Start answering closes of GPU g: the watcher thread, started once. */
 void cgpu_watch(int g) CGPU_HIDDEN;
+/* A launch on GPU g while the daemon asks for its idle reports (gpu.idle_grace_ns):
+ * noted for the watcher, and a report of idle taken back. */
+void cgpu_idle_launch(struct cgpu_proc *s, int g) CGPU_HIDDEN;
 void cgpu_watch_after_fork(void) CGPU_HIDDEN;
 
 /* Enter a launch on GPU g: wait while its gate is closed, then mark the
@@ -185,10 +188,13 @@ static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
     struct cgpu_proc *s = cgpu_slot();
     /* Not a locked add: the daemon only asks whether the count changed, and
      * a count that two threads race on still changes. */
-    if (cgpu_likely(s != NULL))
+    if (cgpu_likely(s != NULL)) {
         __atomic_store_n(&s->gpu[g].launches,
                          __atomic_load_n(&s->gpu[g].launches, __ATOMIC_RELAXED) + 1,
                          __ATOMIC_RELAXED);
+        if (cgpu_unlikely(__atomic_load_n(&r->gpu[g].idle_grace_ns, __ATOMIC_RELAXED) != 0))
+            cgpu_idle_launch(s, g);
+    }
     if (cgpu_unlikely(armed)) /* after the count: the daemon looks at it when woken */
         cgpu_armed_ring(g);
 }

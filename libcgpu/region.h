@@ -127,7 +127,8 @@ struct cgpu_gpu {
     uint32_t max_inflight;   /* launches a process may keep queued per stream; 0 = unbounded */
     uint32_t reserved32;     /* 0 */
     uint64_t queue_ns;       /* GPU time a process may keep queued; 0 = CGPU_DEFAULT_QUEUE_NS */
-    uint8_t reserved[96];
+    uint64_t idle_grace_ns;  /* > 0: tell when idle this long (proc.gpu.idle_ns); 0: nobody asks */
+    uint8_t reserved[88];
 };
 
 /* One GPU process of the container as the daemon saw it. 32 bytes. */
@@ -186,7 +187,7 @@ struct cgpu_proc_gpu {
     uint64_t stale_heartbeat_ns; /* the heartbeat it judged stale (0: no daemon) */
     uint64_t gate_wake_ns;   /* when its last timed wait was to end (by stale + timeout) */
     uint64_t failed_open_ns; /* when it went on, written last; 0 = no launch did */
-    uint64_t reserved[1];
+    uint64_t idle_ns;        /* when it went idle, once gpu.idle_grace_ns ago (watch.c); 0: busy */
 };
 
 /* One process of the container. 64-byte header + one line per GPU. */

@@ -13,11 +13,25 @@
  *
  * A process that has never launched on a GPU has nothing queued there and
  * is not waited for (gpu.watching stays 0).
+ *
+ * The idle watch: while the daemon asks (gpu.idle_grace_ns, set while the
+ * gate is open and another container waits), this thread also tells it when
+ * the process goes idle, so that the daemon need not look: once the process
+ * has launched nothing for the grace, it waits for what it queued to finish
+ * (cgpu_flight_drain), and when nothing was launched meanwhile and the grace
+ * has passed since the later of the two, it writes when into its slot
+ * (idle_ns) and rings. Its next launch clears idle_ns and wakes this thread
+ * (cgpu_idle_launch), so it watches again. A process that waits at its gate
+ * (pending) is not idle.
  */
 #define _GNU_SOURCE
+#include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "cgpu.h"
 #include "flight.h"
@@ -27,6 +41,77 @@ uint32_t cgpu_watching[CGPU_MAX_GPUS];
 static pthread_once_t watch_once = PTHREAD_ONCE_INIT;
 
 #define WATCH_MAX_SLEEP_NS 1000000000ull /* look again at least every second */
+
+/* When this process last launched on each GPU, while the idle watch is asked for. */
+static uint64_t last_launch_ns[CGPU_MAX_GPUS];
+
+void cgpu_idle_launch(struct cgpu_proc *s, int g)
+{
+    __atomic_store_n(&last_launch_ns[g], cgpu_now_ns(), __ATOMIC_RELAXED);
+    /* The launch's count is stored before this load, and the watcher's idle_ns
+     * before its load of the count: one of the two sees the other. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&s->gpu[g].idle_ns, __ATOMIC_RELAXED) != 0) {
+        __atomic_store_n(&s->gpu[g].idle_ns, 0, __ATOMIC_RELEASE);
+        /* the watcher sleeps on control.wake: a wake needs no write access */
+        syscall(SYS_futex, &cgpu_region_ptr->wake, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    }
+}
+
+/* The idle watch of GPU g: report the process idle if it is; the time until it
+ * should look again (UINT64_MAX: not before it is woken). `quiet_since` is
+ * when its queued work was first found finished with no launch after it (0:
+ * not yet), for the count of launches in `quiet_launches`. */
+static uint64_t quiet_since[CGPU_MAX_GPUS];
+static uint64_t quiet_launches[CGPU_MAX_GPUS];
+
+static uint64_t watch_idle(const struct cgpu_control *r, int g)
+{
+    struct cgpu_proc *me = cgpu_slot();
+    uint64_t grace = __atomic_load_n(&r->gpu[g].idle_grace_ns, __ATOMIC_ACQUIRE);
+    if (me == NULL)
+        return UINT64_MAX;
+    if (grace == 0 || __atomic_load_n(&r->gpu[g].gate, __ATOMIC_ACQUIRE) != CGPU_GATE_OPEN) {
+        /* nobody asks: no report stands (the next ask starts afresh) */
+        if (__atomic_load_n(&me->gpu[g].idle_ns, __ATOMIC_RELAXED) != 0)
+            __atomic_store_n(&me->gpu[g].idle_ns, 0, __ATOMIC_RELEASE);
+        quiet_since[g] = 0;
+        return UINT64_MAX;
+    }
+    if (__atomic_load_n(&me->gpu[g].idle_ns, __ATOMIC_ACQUIRE) != 0)
+        return UINT64_MAX; /* said; its next launch wakes this thread */
+    if (__atomic_load_n(&me->gpu[g].pending, __ATOMIC_ACQUIRE) != 0)
+        return grace;
+    uint64_t launches = __atomic_load_n(&me->gpu[g].launches, __ATOMIC_ACQUIRE);
+    uint64_t last = __atomic_load_n(&last_launch_ns[g], __ATOMIC_RELAXED);
+    uint64_t now = cgpu_now_ns();
+    if (launches != quiet_launches[g]) {
+        quiet_launches[g] = launches;
+        quiet_since[g] = 0;
+    }
+    if (now < last + grace)
+        return last + grace - now;
+    if (quiet_since[g] == 0) {
+        /* launched nothing for the grace: when does what it queued finish? */
+        uint64_t done = cgpu_flight_drain(g);
+        if (__atomic_load_n(&me->gpu[g].launches, __ATOMIC_ACQUIRE) != launches)
+            return 0; /* busy again: look again at once */
+        quiet_since[g] = done > last ? done : last;
+    }
+    uint64_t since = quiet_since[g];
+    now = cgpu_now_ns();
+    if (now < since + grace)
+        return since + grace - now;
+    __atomic_store_n(&me->gpu[g].idle_ns, since, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&me->gpu[g].launches, __ATOMIC_SEQ_CST) != launches) {
+        /* a launch that may not have seen idle_ns: take it back, unless it did */
+        __atomic_compare_exchange_n(&me->gpu[g].idle_ns, &since, 0, 0, __ATOMIC_SEQ_CST,
+                                    __ATOMIC_RELAXED);
+        return 0;
+    }
+    cgpu_ring(g);
+    return UINT64_MAX;
+}
 
 static void answer(int g, uint64_t seq)
 {
@@ -45,6 +130,7 @@ static void *watcher_main(void *arg)
     uint64_t answered[CGPU_MAX_GPUS] = {0};
     for (;;) {
         uint32_t wake = __atomic_load_n(&r->wake, __ATOMIC_ACQUIRE);
+        uint64_t sleep_ns = WATCH_MAX_SLEEP_NS;
         for (uint32_t g = 0; g < r->ngpus && g < CGPU_MAX_GPUS; g++) {
             if (!__atomic_load_n(&cgpu_watching[g], __ATOMIC_ACQUIRE))
                 continue;
@@ -53,8 +139,12 @@ static void *watcher_main(void *arg)
                 answer((int)g, seq);
                 answered[g] = seq;
             }
+            uint64_t look = watch_idle(r, (int)g);
+            if (look < sleep_ns)
+                sleep_ns = look;
         }
-        cgpu_futex_wait(&r->wake, wake, WATCH_MAX_SLEEP_NS);
+        if (sleep_ns > 0)
+            cgpu_futex_wait(&r->wake, wake, sleep_ns);
     }
     return NULL;
 }
@@ -108,5 +198,8 @@ __attribute__((destructor)) static void watch_exit(void)
 void cgpu_watch_after_fork(void)
 {
     memset(cgpu_watching, 0, sizeof cgpu_watching);
+    memset(last_launch_ns, 0, sizeof last_launch_ns);
+    memset(quiet_since, 0, sizeof quiet_since);
+    memset(quiet_launches, 0, sizeof quiet_launches);
     watch_once = (pthread_once_t)PTHREAD_ONCE_INIT;
 }

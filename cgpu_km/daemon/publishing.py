@@ -157,6 +157,7 @@ class Publisher:
             info = self.gpu_info.get(index)
             total = info.memory_total if info else 0
             shares = figures[index].shares if index in figures else {}
+            dispatched = figures.get(index)
             gpus.append(snap.GpuFigures(
                 index=index, uuid=info.uuid if info else "", name=info.name if info else "",
                 memory_total_bytes=total, memory_used_bytes=memory.used_by_gpu.get(index),
@@ -166,6 +167,9 @@ class Publisher:
                 free_weight=free_weight(nodes.max_inst, (
                     view.containers[index, n].spec.weight for n in nodes.containers
                     if (index, n) in view.containers)),
+                dispatch_wakes=dispatched.wakes if dispatched else 0,
+                dispatch_steps=dispatched.steps if dispatched else 0,
+                switches=dispatched.switches if dispatched else 0,
             ))
             for name in sorted(nodes.containers):
                 key = (index, name)

@@ -91,6 +91,10 @@ class GpuFigures:
     max_inst: int
     prio_ratio: int  # percent (the tree's node)
     free_weight: int
+    # counters of its dispatcher: wake-ups, steps, and grants to a new holder
+    dispatch_wakes: int = 0
+    dispatch_steps: int = 0
+    switches: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,13 @@ it observes the containers (who waits at the gate, who launched, who
 answered the last close), steps the scheduler, opens and closes gates, and
 stamps the heartbeat; then it sleeps until the scheduler's deadline or
 until a container rings its doorbell (a process starts waiting at the
-gate, or a watcher answers a close). While others wait, the scheduler asks
-every couple of milliseconds whether the holder went idle (`IdleWatch`):
-the port answers that itself, from the holder's launch counters, and the
-dispatcher steps only when it did, or at the scheduler's next deadline.
+gate, a watcher answers a close, or the holder goes idle). It never looks
+without being rung: where the scheduler watches the holder for going idle
+(`IdleWatch`: another container waits, or unused time stays idle), the
+holder's processes are asked to say so themselves (libcgpu's watcher
+reports when a process launched nothing for the grace and all it queued
+has finished, and rings), and the dispatcher steps on that ring, at the
+slice's end, or at the grace's end once every process said it is idle.
 Each dispatcher is a plain thread of its own, so nothing else the daemon
 does (tree reads, NVML, an OOM script, publishing) can delay a slice, a
 drain or the heartbeat.
@@ -74,23 +77,22 @@ class GpuPort(Protocol):
         """What each container shows now."""
 
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
-              armed: frozenset[str] = frozenset()) -> None:
+              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None) -> None:
         """Open the gates of `open_`, arm those of `armed` and close the others';
         `queue_ns`: the GPU time each process may keep queued (0: libcgpu's
-        default)."""
+        default); `watch`: ask its holder's processes to say when they go idle
+        (a ring, and `Observation.active_at` after it)."""
 
     def heartbeat(self, now_ns: int) -> None:
         """Tell every container that the daemon is alive."""
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
-             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
+             answers_of: str | None = None) -> str | None:
         """Sleep until the deadline or until something rings (`quiet`: those
         whose ring would tell nothing new); the container whose ring woke it.
-        With `watch`, also until its holder has neither launched nor waited for
-        its grace (from the last observation on); the next `observe` says when
-        it was last seen active. `answers_of`: a container whose drain answers
-        are awaited; its rings wake the caller only once all have come (or
-        after ANSWER_LOOKS of them)."""
+        `answers_of`: a container whose drain answers are awaited; its rings
+        wake the caller only once all have come (or after ANSWER_LOOKS of
+        them)."""
 
     def kick(self) -> None:
         """Wake `wait` now (new configuration, new containers, stop)."""
@@ -108,6 +110,8 @@ class Figures:
     holder: str | None
     steps: int
     last_step: float  # time.monotonic() of the last step
+    wakes: int = 0  # times its thread woke (a step, or a heartbeat alone)
+    switches: int = 0  # grants to another holder than the last
     audits: Mapping[str, int] = field(default_factory=dict)  # quiet spans imposed, by container
     # The last new configuration: the steps taken when `configure` was handed it,
     # and the step that first ran with it.
@@ -139,6 +143,9 @@ class Dispatcher:
         self._decision: SliceDecision | None = None
         self._observed: Mapping[str, Observation] = {}
         self._steps = 0
+        self._wakes = 0
+        self._switches = 0
+        self._last_holder: str | None = None
         self._last_step = time.monotonic()
         self._configured = False  # since the last step
         self._handed: tuple[int, GpuConfig] | None = None  # steps taken then, and it
@@ -183,6 +190,7 @@ class Dispatcher:
                            shares=dict(decision.shares) if decision else {},
                            holder=decision.holder if decision else None,
                            steps=self._steps, last_step=self._last_step,
+                           wakes=self._wakes, switches=self._switches,
                            audits=dict(self._audits), configured=self._applied)
 
     def grants(self) -> GrantHistory:
@@ -206,6 +214,9 @@ class Dispatcher:
             decision = self._scheduler.step(now / 1e9, observed)
             self._decision = decision
             self._steps += 1
+            if decision.holder not in (None, self._last_holder):
+                self._switches += 1
+                self._last_holder = decision.holder
             if self._handed is not None and self._handed[1] is config:
                 self._applied, self._handed = (self._handed[0], self._steps), None
                 log.info("GPU %d: a configuration handed over after step %d ran at step %d "
@@ -221,13 +232,24 @@ class Dispatcher:
                                     before, observed, now / 1e9), driven=driven)
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
-                        decision.armed)
+                        decision.armed, decision.idle_watch)
         if log.isEnabledFor(logging.DEBUG) and (before is None or before.open != decision.open):
             log.debug("GPU %d at %.4f: open %s (waiting %s; drained %s)", self.gpu, now / 1e9,
                       ",".join(sorted(decision.open)) or "-",
                       ",".join(sorted(n for n, o in observed.items() if o.waiting)) or "-",
                       " ".join(f"{n}={o.drained_at:.4f}" for n, o in sorted(observed.items())))
         return decision
+
+    def _wake_at(self, decision: SliceDecision) -> float:
+        """When to step at the latest: the scheduler's time, but a watch for the
+        holder going idle only once it said it is (it rings when it does)."""
+        watch = decision.idle_watch
+        if watch is None:
+            return decision.wake_at
+        seen = self._observed.get(watch.holder, NOTHING)
+        if seen.idle:
+            return min(watch.at, watch.otherwise)
+        return watch.otherwise
 
     def audit(self, name: str, length: float, why: str) -> None:
         """Ask for an audit of `name` (`cgpu_km.sched.overuse`): a quiet span of
@@ -286,9 +308,7 @@ class Dispatcher:
                 if ringer is not None or configured or now < deadline or now >= step_at:
                     decision = self.step()
                     now = self.clock()
-                    watch = decision.idle_watch
-                    wake_at = watch.otherwise if watch is not None else decision.wake_at
-                    step_at = min(wake_at * 1e9, now + IDLE_WAKE_NS)
+                    step_at = min(self._wake_at(decision) * 1e9, now + IDLE_WAKE_NS)
                 if now >= next_beat - BEAT_SLACK_NS:
                     stamped = frozenset(self._observed)
                     self.port.heartbeat(now)
@@ -299,10 +319,13 @@ class Dispatcher:
                 with self._lock:
                     late, draining = self._scheduler.late, self._scheduler.draining
                 # Rings that are answers: those of the holder while it drains (until
-                # it has rung too often: then it is polled) and of those cut before
-                # they answered. Anyone else already seen waiting, or holding the
-                # GPU, tells nothing new by ringing (a hostile one may ring without end).
+                # it has rung too often: then it is polled), of those cut before
+                # they answered, and of a holder watched for going idle. Anyone else
+                # already seen waiting, or holding the GPU, tells nothing new by
+                # ringing (a hostile one may ring without end).
                 answering = set(late)
+                if decision.idle_watch is not None:
+                    answering.add(decision.idle_watch.holder)
                 answers_of = None
                 if not draining or decision.holder is None:
                     drain_wakes = 0
@@ -315,8 +338,9 @@ class Dispatcher:
                 quiet = {n for n, seen in self._observed.items()
                          if (seen.waiting or n == decision.holder) and n not in answering}
                 # Rounded up: a deadline a fraction of a nanosecond early is a step for nothing.
-                ringer = self.port.wait(math.ceil(deadline), quiet, decision.holder, watch,
+                ringer = self.port.wait(math.ceil(deadline), quiet, decision.holder,
                                         answers_of)
+                self._wakes += 1  # a plain count: figures() may read it a wake late
                 if draining and ringer is not None and ringer == decision.holder:
                     drain_wakes += 1
         except BaseException as error:  # logged; the daemon's watchdog notices the silence
@@ -339,11 +363,10 @@ class RegionPort:
         self._lock = threading.Lock()
         # What `apply` last wrote into each container's region: the region, and
         # (open, armed, queue_ns) in it.
-        self._written: dict[str, tuple[Region, tuple[bool, bool, int]]] = {}
+        self._written: dict[str, tuple[Region, tuple[bool, bool, int, int]]] = {}
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
-        self._launches: dict[str, int] = {}  # at the last observation
-        self._active_at: dict[str, float] = {}  # when the last wait's watch saw it active
+        self._watched: str | None = None  # asked to say when it goes idle
         self._rests = ProcessRests()
 
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
@@ -361,8 +384,7 @@ class RegionPort:
     def observe(self) -> dict[str, Observation]:
         found: dict[str, Observation] = {}
         rung: dict[str, int] = {}
-        launched: dict[str, int] = {}
-        active_at, self._active_at = self._active_at, {}
+        watched = self._watched
         now = time.monotonic_ns() / 1e9
         for name, (region, k) in self.entries().items():
             rung[name] = region.doorbell(k)
@@ -376,6 +398,7 @@ class RegionPort:
             answered = True
             drained = 0
             rest = 0.0
+            idle_since = 0  # the latest of its processes' idle reports; -1: one is busy
             for slot in slots:
                 line = region.slot_gpu(slot, k)
                 launches += line.launches
@@ -387,26 +410,35 @@ class RegionPort:
                     if line.drained_seq != close_seq:
                         answered = False
                     drained = max(drained, line.drained_ns)
+                    if idle_since >= 0:
+                        idle_since = max(idle_since, line.idle_ns) if line.idle_ns else -1
+            active_at = None
+            idle = False
+            if name == watched:  # its processes say whether they are idle
+                idle = idle_since > 0 and not waiting
+                active_at = idle_since / 1e9 if idle else now
             found[name] = Observation(waiting=waiting, launches=launches, answered=answered,
-                                      drained_at=drained / 1e9, active_at=active_at.get(name),
-                                      process_rest=rest)
-            launched[name] = launches
+                                      drained_at=drained / 1e9, active_at=active_at,
+                                      process_rest=rest, idle=idle)
         self._rests.end_round()
         self._rung = rung
-        self._launches = launched
         return found
 
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
-              armed: frozenset[str] = frozenset()) -> None:
+              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None) -> None:
         entries = self.entries()
         written = self._written
         if len(written) > len(entries):  # containers gone: forget them (and their maps)
             written = self._written = {n: w for n, w in written.items() if n in entries}
+        watched = watch.holder if watch is not None and watch.holder in open_ else None
+        grace_ns = int(watch.grace * 1e9) if watch is not None else 0
+        self._watched = watched
         for name, (region, k) in entries.items():
-            want = (name in open_, name in armed, queue_ns)
+            want = (name in open_, name in armed, queue_ns, grace_ns if name == watched else 0)
             if written.get(name) == (region, want):
                 continue  # most containers at most steps: only the holder's changes
             region.set_queue_ns(k, queue_ns)  # before a grant: the grantee starts tight
+            region.set_idle_grace(k, want[3])  # before a grant: watched from its start
             region.set_gate(k, want[0], now_ns, armed=want[1])
             written[name] = (region, want)
 
@@ -415,14 +447,12 @@ class RegionPort:
             region.heartbeat(now_ns)
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
-             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
+             answers_of: str | None = None) -> str | None:
         """Until the deadline, a kick, or a ring of a container that is not quiet
-        and, unless it holds the GPU, has not rung more than RING_LIMIT times in
-        the last second (those are looked at when the dispatcher wakes for
-        another reason); the container whose ring woke it. With `watch`, also
-        until its holder has been idle for its grace: looked at when the grace
-        since its last activity has passed, and again a grace later while it
-        still launches or waits. A ring of `answers_of` wakes the caller once
+        and, unless its drain answers are awaited, has not rung more than
+        RING_LIMIT times in the last second (those are looked at when the
+        dispatcher wakes for another reason); the container whose ring woke
+        it. A ring of `answers_of` wakes the caller once
         every process of it has answered the latest close (each ring is a look
         at its slots, not a step over every container), or at its
         ANSWER_LOOKS-th ring."""
@@ -434,11 +464,11 @@ class RegionPort:
         for name, address in doorbells.items():
             seen = self._rung.get(name)
             if seen is None or name in quiet or (
-                    name != holder and self._muted_until.get(name, 0) > now):
+                    name != answers_of and self._muted_until.get(name, 0) > now):
                 continue
             words.append((address, seen, True))
             names.append(name)
-        woken = self._wait_watching(words, deadline_ns, watch)
+        woken = futex.wait_any(words, deadline_ns)
         with self._lock:
             drainer = self._entries.get(answers_of) if answers_of is not None else None
         looks = 1
@@ -454,7 +484,7 @@ class RegionPort:
             woken = futex.wait_any(words, deadline_ns)
             looks += 1
         ringer = names[woken] if 0 <= woken < len(names) else None
-        if ringer is not None and ringer != holder:
+        if ringer is not None and ringer != answers_of:
             rings = self._rings.setdefault(ringer, collections.deque())
             rings.append(now)
             while rings and now - rings[0] > 1_000_000_000:
@@ -462,34 +492,6 @@ class RegionPort:
             if len(rings) > RING_LIMIT:
                 self._muted_until[ringer] = now + MUTE_NS
         return ringer
-
-    def _wait_watching(self, words: list[tuple[int, int, bool]], deadline_ns: int,
-                       watch: IdleWatch | None) -> int:
-        """`futex.wait_any`, and with `watch` a look at the holder once its grace
-        has passed, then, while it is busy, at twice the last gap each time, up
-        to the watch's patience."""
-        with self._lock:
-            entry = self._entries.get(watch.holder) if watch is not None else None
-        if watch is None or entry is None:
-            return futex.wait_any(words, deadline_ns)
-        region, k = entry
-        grace_ns = int(watch.grace * 1e9)
-        gap_ns, patience_ns = grace_ns, max(grace_ns, int(watch.patience * 1e9))
-        launches = self._launches.get(watch.holder)
-        look_at = int(watch.at * 1e9)
-        while True:
-            until = min(look_at, deadline_ns)
-            woken = futex.wait_any(words, until)
-            now = time.monotonic_ns()
-            if woken >= 0 or now < until or until == deadline_ns:
-                return woken  # a ring, a word that had changed, or the deadline
-            busy, launches_now = self._busy(region, k, launches)
-            if not busy:
-                return -1  # idle for its grace: the scheduler hands the GPU on
-            launches = launches_now
-            self._active_at[watch.holder] = now / 1e9
-            look_at = now + gap_ns
-            gap_ns = min(2 * gap_ns, patience_ns)  # busy again: look again later
 
     @staticmethod
     def _answered(region: Region, k: int) -> bool:
@@ -502,18 +504,6 @@ class RegionPort:
                 return False
         return True
 
-    @staticmethod
-    def _busy(region: Region, k: int, launches: int | None) -> tuple[bool, int]:
-        """Whether a process of the container waits, or the container launched
-        since `launches` was counted; its launches now."""
-        total = 0
-        waiting = False
-        for slot in region.live_slots():
-            line = region.slot_gpu(slot, k)
-            total += line.launches
-            waiting = waiting or bool(line.pending)
-        return waiting or total != launches, total
-
     def kick(self) -> None:
         self._kick.value = (self._kick.value + 1) & 0xFFFFFFFF
         futex.wake_private(ctypes.addressof(self._kick))
@@ -521,4 +511,5 @@ class RegionPort:
     def open_all(self) -> None:
         self._written = {}
         for region, k in self.entries().values():
+            region.set_idle_grace(k, 0)
             region.set_gate(k, True)

@@ -89,7 +89,8 @@ class GpuEntry(ctypes.Structure):
         ("max_inflight", ctypes.c_uint32),
         ("reserved32", ctypes.c_uint32),
         ("queue_ns", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint8 * 96),
+        ("idle_grace_ns", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint8 * 88),
     )
 
 
@@ -148,7 +149,7 @@ class ProcGpu(ctypes.Structure):
         ("stale_heartbeat_ns", ctypes.c_uint64),
         ("gate_wake_ns", ctypes.c_uint64),
         ("failed_open_ns", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint64 * 1),
+        ("idle_ns", ctypes.c_uint64),
     )
 
 
@@ -586,6 +587,19 @@ class Region:
         if not 0 <= budget_ns < 2**64:
             raise RegionError(f"queue_ns must be 0 to 2**64 - 1, not {budget_ns}")
         self._gpu(k).queue_ns = budget_ns
+
+    def set_idle_grace(self, k: int, grace_ns: int) -> None:
+        """Ask the processes of container GPU k to say when they go idle for
+        `grace_ns` (in their slots' `idle_ns`, with a ring) while its gate is
+        open; 0: stop asking. Asking wakes their watchers."""
+        entry = self._gpu(k)
+        was = entry.idle_grace_ns
+        if was == grace_ns:
+            return
+        entry.idle_grace_ns = grace_ns
+        if grace_ns and not was:
+            self._control.wake = (self._control.wake + 1) & 0xFFFFFFFF
+            futex_wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)
 
     def set_gate(self, k: int, is_open: bool, now_ns: int = 0, *, armed: bool = False) -> None:
         """Open the gate of container GPU k (a grant: waiters wake), arm it (a

@@ -34,14 +34,14 @@ class SimulatedPort:
         return {**seen, **{name: Observation() for name in self.idle}}
 
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
-              armed: frozenset[str] = frozenset()) -> None:
+              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None) -> None:
         pass
 
     def heartbeat(self, now_ns: int) -> None:
         self.beats.append(now_ns)
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
-             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
+             answers_of: str | None = None) -> str | None:
         self.now = max(self.now + 1, deadline_ns)  # one already past returns at once
         self.wakes += 1
         if self.now >= self.end:
@@ -89,8 +89,8 @@ class ReconfiguringPort(SimulatedPort):
         self.handed: int | None = None  # the steps (observations) taken then
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
-             watch: IdleWatch | None = None, answers_of: str | None = None) -> str | None:
-        ringer = super().wait(deadline_ns, quiet, holder, watch, answers_of)
+             answers_of: str | None = None) -> str | None:
+        ringer = super().wait(deadline_ns, quiet, holder, answers_of)
         if self.handed is None and self.now >= self.at:
             assert self.dispatcher is not None
             self.handed = self.launches

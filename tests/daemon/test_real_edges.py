@@ -190,80 +190,44 @@ def test_region_plane_dispatches_on_real_regions(tmp_path: Path) -> None:
     assert not plane.attach({0: {"a"}}), "nothing changed the second time"
 
 
-def test_the_port_watches_a_busy_holder_without_returning(tmp_path: Path) -> None:
-    """An idle check of the holder is the port's own: while a process of the
-    holder waits for its work, the wait goes on; once it has been idle for
-    its grace the wait ends, and the next observation says when it was last
-    seen busy."""
+def test_a_watched_holder_says_when_it_goes_idle(tmp_path: Path) -> None:
+    """The port never looks at a busy holder: it asks the holder's processes
+    (the region's idle_grace_ns, while its gate is open) to say when they go
+    idle. Until one does, the holder is busy at every observation; its report
+    (idle_ns, then a ring, as libcgpu's watcher writes them) wakes the wait,
+    and the next observation says it is idle, since when."""
     region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
                              [region_mod.GpuSpec(0, "", 0, 0)]).close()
     with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
         port = RegionPort(0)
         port.set_entries({"a": (a, 0)})
-        slot = a._account.proc[0]  # a process of a waits for its own work, as libcgpu says
+        slot = a._account.proc[0]  # a process of a that has launched, as libcgpu says
         slot.state, slot.pid, a._account.slots_used = region_mod.SLOT_LIVE, 1, 1
-        slot.gpu[0].pending, slot.gpu[0].launches = 1, 7
+        slot.gpu[0].watching, slot.gpu[0].launches = 1, 7
         assert port.observe()["a"].active_at is None, "not watched yet"
         now = time.monotonic()
-        watch = IdleWatch("a", at=now + 0.002, grace=0.002, otherwise=now + 60)
+        port.apply(frozenset({"a"}), time.monotonic_ns(),
+                   watch=IdleWatch("a", at=now + 0.002, grace=0.002, otherwise=now + 60))
+        assert a._control.gpu[0].idle_grace_ns == 2_000_000
+        busy = port.observe()["a"]
+        assert (busy.idle, busy.active_at is not None) == (False, True), "busy: active now"
         woken: list[str | None] = []
         waiter = threading.Thread(target=lambda: woken.append(
-            port.wait(int((now + 60) * 1e9), {"a"}, "a", watch)))
+            port.wait(int((now + 60) * 1e9), set(), "a")))
         waiter.start()
-        waiter.join(0.2)
-        assert waiter.is_alive(), "the holder waits for its work: it is busy, no step"
-        cleared = time.monotonic()
-        slot.gpu[0].pending = 0
+        assert parked(waiter), "a busy holder: no look, no step"
+        went_idle = time.monotonic_ns() - 3_000_000
+        slot.gpu[0].idle_ns = went_idle
+        a._account.doorbell[0] += 1
+        futex.wake_all(a.doorbell_address(0))
         waiter.join(30)  # a hang guard only
-        assert not waiter.is_alive(), "idle for its grace: the wait ends"
-        assert woken == [None], "by no ring"
-        active_at = port.observe()["a"].active_at
-        assert active_at is not None
-        assert now < active_at < cleared
-        assert port.observe()["a"].active_at is None, "said once, for the step after the wait"
-
-
-
-def test_a_patient_watch_looks_at_a_busy_holder_less_and_less_often(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A holder that launches all the time, watched for 0.4 s with a grace of
-    2 ms and a patience of 40 ms: looked at twice the last gap each time (2, 4,
-    ... 32, then 40 ms), at most 15 looks, where a look at every grace would be
-    about 200."""
-    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
-                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
-    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
-        port = RegionPort(0)
-        port.set_entries({"a": (a, 0)})
-        slot = a._account.proc[0]
-        slot.state, slot.pid, a._account.slots_used = region_mod.SLOT_LIVE, 1, 1
-        looks = []
-        busy = RegionPort._busy
-
-        def counted(region: region_mod.Region, k: int, launches: int | None
-                    ) -> tuple[bool, int]:
-            looks.append(time.monotonic())
-            return busy(region, k, launches)
-
-        monkeypatch.setattr(RegionPort, "_busy", staticmethod(counted))
-        stop = threading.Event()
-
-        def launch() -> None:
-            while not stop.is_set():
-                slot.gpu[0].launches += 1
-                time.sleep(0.0005)
-
-        launcher = threading.Thread(target=launch)
-        launcher.start()
-        try:
-            now = time.monotonic()
-            watch = IdleWatch("a", at=now + 0.002, grace=0.002, otherwise=now + 0.4,
-                              patience=0.04)
-            assert port.wait(int((now + 0.4) * 1e9), {"a"}, "a", watch) is None
-        finally:
-            stop.set()
-            launcher.join()
-    assert 1 <= len(looks) <= 15, len(looks)
+        assert woken == ["a"], "its ring woke the wait"
+        seen = port.observe()["a"]
+        assert seen.idle
+        assert seen.active_at == went_idle / 1e9
+        port.apply(frozenset(), time.monotonic_ns())
+        assert a._control.gpu[0].idle_grace_ns == 0, "closed: nobody asks"
+        assert not port.observe()["a"].idle, "nor reads its report"
 
 
 FUTEX_WAITV = 449
