@@ -36,11 +36,12 @@ QUICK_KERNELS_US = (1000, 5000)
 LATENCY_ROWS = ("one busy", "four busy", "8 procs each, one busy", "4 interactive")
 QUICK_LATENCY_ROWS = ("one busy", "four busy")
 
-# A busy loop that checks, every few milliseconds, that its parent (the bench)
-# is still there: killed or not, the bench leaves none behind.
+# A busy loop that checks, every few milliseconds, that its parent (the bench, whose
+# pid it is given: one that started after the bench died ends at once) is still there:
+# killed or not, the bench leaves none behind.
 LOOP = """\
-import os
-parent = os.getppid()
+import os, sys
+parent = int(sys.argv[1])
 while os.getppid() == parent:
     for _ in range(100_000):
         pass
@@ -69,8 +70,9 @@ def cpu_load(per_core: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     loops: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(per_core * cores()):
-            loop = subprocess.Popen([sys.executable, "-c", LOOP], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, start_new_session=True)
+            loop = subprocess.Popen([sys.executable, "-c", LOOP, str(os.getpid())],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    start_new_session=True)
             loops.append(loop)
             with contextlib.suppress(OSError):  # nice 0 needs root where the bench is niced
                 os.setpriority(os.PRIO_PROCESS, loop.pid, 0)
