@@ -51,6 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for fault in record.faults:
         if fault.note:
             print(f"  {fault.kind} at {fault.at:.1f} s: {fault.note}")
+    for kind, left in summary.leftovers.items():
+        if left:
+            print(f"  left behind, {kind}: {' '.join(left[:10])}")
     for at, line in summary.errors[:20]:
         print(f"  error at {at:.0f} s: {line}")
     for line in report.write_outputs(record, summary, args.out):

@@ -313,7 +313,7 @@ class Soak:
         first = events[0] if events and isinstance(events[0], Pair) else None
         ready = None
         if first is not None:  # its workloads start with the soak's clock
-            ready = self.make_pair(first, lambda: seconds - 0.5 - 3)
+            ready = self.make_pair(first, lambda: first.until - 0.5 - 3)
         record = Record(seconds, self.gpus, time.monotonic())
         sampler = threading.Thread(target=self.sample, args=(record,), daemon=True)
         sampler.start()
@@ -400,6 +400,8 @@ class Soak:
                     runs[gpu].registered.append((self.now(record), present))
                 time.sleep(0.5)
             for (gpu, k), job in jobs.items():
+                with contextlib.suppress(ProcessLookupError):
+                    job.popen.terminate()  # runc exec forwards it: sharework reports
                 try:
                     report = job.report(timeout=60)
                 except (AssertionError, ValueError, subprocess.TimeoutExpired):
@@ -511,11 +513,11 @@ class Soak:
         spec = event.container
         container, code, errors = self.node.try_container(env, rootfs_of=self.base_container)
         self.ids.add(container.id)
+        probe.id12 = container.id12
         try:
             if code != 0:
                 probe.error = last_error(errors)
                 return
-            probe.id12 = container.id12
             probe.started = self.now(record)
             read_probe(container.sh(probe_script(spec.limit, "/"), timeout=60), probe)
             with self.lock:
