@@ -346,14 +346,20 @@ def cmd_poststop(args: argparse.Namespace) -> int:
     except (HookError, PlanError):
         env = {}  # cannot tell: clean up anyway, which is harmless
     root = treefs.resolve_root(args.root)
-    if not (root / "inst_ctl").exists():
-        return 0  # no tree, so nothing of ours is registered
     ctx = HookContext(root=root, container_id=state.container_id, bundle=state.bundle,
                       env=env, pid=state.pid)
-    if not claims.owns(claims.read(ctx.id12), ctx.container_id):
+    recorded = claims.read(ctx.id12)
+    if not claims.owns(recorded, ctx.container_id):
         return 0  # another container holds the id: nothing here is ours
+    steps = POSTSTOP_STEPS
+    if not (root / "inst_ctl").exists():
+        # No tree (cgpu-fuse down or restarting): nothing is registered, but the
+        # container's region and claim, if it has them, are still on the host.
+        if recorded is None:
+            return 0
+        steps = [step for step in POSTSTOP_STEPS if step is not unregister_from_gpus]
     failures: list[str] = []
-    for step in POSTSTOP_STEPS:
+    for step in steps:
         try:
             step(ctx)
         except HookError as error:

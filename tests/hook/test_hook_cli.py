@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpu_km.container import hook, steps
+from cgpu_km.container import claims, hook, steps
 from cgpu_km.container.envplan import MIB
 from cgpu_km.container.oci.spec import START_STAGES
 from cgpu_km.dataplane import kernelview
@@ -285,6 +285,22 @@ def test_enabled_container_without_tree_fails(tmp_path: Path, monkeypatch: pytes
     assert run_hook(monkeypatch, tmp_path / "absent", start, bundle) == 1
     assert capsys.readouterr().err.startswith(f"cgpu-hook: no control tree at {tmp_path}")
     assert run_hook(monkeypatch, tmp_path / "absent", "poststop", bundle) == 0
+
+
+@FOUR
+def test_poststop_without_the_tree_still_removes_the_region_and_claim(
+        control_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container that stops while cgpu-fuse restarts (the tree gone): nothing of it is
+    registered any more, but its region and its claim are still the host's to remove."""
+    bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "3"})
+    assert run_hook(monkeypatch, control_tree, "prestart", bundle) == 0
+    assert region_mod.region_path(ID12).exists()
+    assert claims.read(ID12) == CONTAINER_ID
+    assert run_hook(monkeypatch, tmp_path / "absent", "poststop", bundle) == 0
+    assert not region_mod.region_path(ID12).exists()
+    assert claims.read(ID12) is None
+    assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0
+    assert registered(control_tree) == {k: {} for k in range(4)}
 
 
 @pytest.mark.parametrize(("stdin", "message"), [
