@@ -430,7 +430,7 @@ class Activity:
     def keep(self, names: Iterable[str]) -> None:
         """A new configuration: `names` are the containers."""
         self.seen = {n: self.seen.get(n) or _Seen() for n in names}
-        self.active &= self.seen.keys()
+        self.active = self.active.intersection(self.seen)
 
     def through_armed(self, observed: Mapping[str, Observation]) -> Mapping[str, Observation]:
         """`observed`, where a container that launched through its armed gate
@@ -1282,7 +1282,7 @@ class SliceScheduler:
         """Those that wait, less the barred, unless that would leave the GPU to
         nobody: an audit is never paid for with idle time (it ends). (The
         others are lent the barred one's time: `may_run` asks their cap only.)"""
-        others = waiting - self._barred.keys()
+        others = waiting.difference(self._barred)
         accounts, slack = self._ledger.accounts, self.quantum * ELIGIBLE_SLACK_QUANTA
         if (isinstance(turn, Holding) and turn.holder not in self._barred) or any(
                 may_run(self._rates[n][0], accounts[n].credit, accounts[n].cap_credit, slack,

@@ -397,3 +397,30 @@ def test_a_holder_granted_while_a_preempting_one_could_not_run_keeps_its_slice()
                                keeps_slice=True), "not preempted"
     s.step(0.05, {"hi": busy(1), "lo": busy(2)})
     assert state(s) == Draining("lo", closed_at=0.05, paid_to=0.05), "its slice ends as any"
+
+
+def test_a_barred_container_is_granted_nothing_and_the_others_run_on_its_time() -> None:
+    """An audit (`bar`): the barred one waits as if it did not, the others take
+    turns on share credit they do not have, and the barred one is granted
+    again once its bar ends; with nobody else to run, a bar ends at once."""
+    s = scheduler("a", "b", "c")
+    assert s.step(0.0, {"a": WAITING, "b": WAITING, "c": WAITING}).holder == "c"
+    s.bar("a", until=0.3)
+    t, launches, holders = 0.0, 0, set()
+    while t < 0.29:  # b and c take turns; a is owed more and more, but barred
+        t += 0.005
+        launches += 1
+        decision = s.step(t, {"a": WAITING, "b": busy(launches), "c": busy(launches)})
+        assert "a" not in decision.open | decision.armed
+        holders.add(decision.holder)
+    assert holders == {"b", "c"}, "grants while a is barred"
+    assert min(s.credits()["b"], s.credits()["c"]) < -0.02 * 0.25, "they run on a's time"
+    assert s.barred == {"a"}
+    for t in (0.3, 0.305, 0.31, 0.315, 0.32, 0.325):
+        s.step(t, {"a": WAITING, "b": busy(launches), "c": busy(launches)})
+    assert s.barred == frozenset()
+    assert s.holder == "a", "owed the most, it takes its turns back"
+    alone = scheduler("a", "b")
+    alone.bar("a", until=1.0)
+    assert alone.step(0.0, {"a": WAITING}).open == {"a"}, "nobody else may run: the bar ends"
+    assert alone.barred == frozenset()
