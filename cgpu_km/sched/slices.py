@@ -143,7 +143,7 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from types import MappingProxyType
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
 
 from cgpu_km.sched.allotments import GpuConfig, Policy, allotments
 
@@ -424,6 +424,7 @@ class Activity:
     def __init__(self, names: Iterable[str]) -> None:
         self.seen: dict[str, _Seen] = {n: _Seen() for n in names}
         self.active: frozenset[str] = frozenset()
+        self.waiting: frozenset[str] = frozenset()  # seen waiting at the last step
         self.armed: frozenset[str] = frozenset()
         self._before = -NEVER  # the step before this one
 
@@ -450,10 +451,11 @@ class Activity:
         not at the gate every instant: between two turns they drain, wake,
         launch)."""
         before = self._before
-        active = []
+        active, waiting = [], []
         for name, mine in self.seen.items():
             seen = observed.get(name, NOTHING)
             if seen.waiting:
+                waiting.append(name)
                 if mine.last_waiting < before or mine.last_waiting == -NEVER:
                     mine.rested = now - mine.last_active  # a wait begins
                 if name != holder:  # a rested process of a waiting container
@@ -470,6 +472,7 @@ class Activity:
                     active.append(name)
             mine.launches = seen.launches
         self._before = now
+        self.waiting = frozenset(waiting)
         return frozenset(active)
 
     def pass_over(self, names: Iterable[str]) -> None:
@@ -585,8 +588,7 @@ class _once(Generic[T]):
 
 
 
-@dataclass(frozen=True)
-class GrantChoice:
+class GrantChoice(NamedTuple):
     """Whom a grant picks among `pool`, if anyone; the debt it settles first."""
 
     chosen: str | None
@@ -596,7 +598,7 @@ class GrantChoice:
     wake_at: float  # nobody chosen: when the first of `pool` may run
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Facts:
     """What one step decides from, computed once at its start (after the books
     took in the observations and the late answers): every guard of the table,
@@ -612,7 +614,6 @@ class Facts:
     # The present turn as the books stand now: a span it shared with a drain
     # that has just answered is paid (`paid_to` now, `sharing` None).
     turn: Holding | Draining | None
-    holder: str | None  # the turn's
     was_open: frozenset[str]  # Native: the gates open until now
     waiting: frozenset[str]  # waiting for the GPU, not late, not barred
     answered: bool  # the holder answered its close
@@ -624,19 +625,47 @@ class Facts:
     rested: Mapping[str, float]  # of the waiting: how long each rested before its wait
     holder_active: float  # when the holder last launched or waited
     active: frozenset[str]
+    # Worked out from the above, as each step needs them:
+    holder: str | None  # the turn's
+    slack: float  # how far behind in share credit a container may start a turn
+    unpaid: float  # what paying the holder up to now charges it (nothing of a span it shares)
+    shared_half: float  # the holder's half of the span it shares, if it shares one
+    idle: bool  # the holder neither launched nor waited for the idle grace
+    overlaps_full: bool  # MAX_OVERLAP handover drains run: nobody more may wake into the GPU
     _grants: dict[tuple[frozenset[str], frozenset[str] | None], GrantChoice] = field(
-        default_factory=dict, compare=False, repr=False)
+        compare=False, repr=False)
+
+    def __init__(self, *, now: float, dt: float, policy: Policy, quantum: float, grace: float,
+                 drain_timeout: float, rates: Mapping[str, Rate],
+                 turn: Holding | Draining | None, was_open: frozenset[str],
+                 waiting: frozenset[str], answered: bool, late: Mapping[str, Late],
+                 barred: frozenset[str], credits: Mapping[str, tuple[float, float]],
+                 rested: Mapping[str, float], holder_active: float,
+                 active: frozenset[str]) -> None:
+        # One write for every field: a frozen dataclass's own __init__ sets each
+        # apart, three times as long, and the dispatcher's hot loop makes one a step.
+        holder, unpaid, shared_half = None, 0.0, 0.0
+        if turn is not None:
+            holder = turn.holder
+            if turn.sharing is None:
+                unpaid = now - turn.paid_to
+            else:
+                shared_half = (now - turn.paid_to) / 2
+        overlaps = sum(late.deadline is not None for late in late.values()) if late else 0
+        self.__dict__.update(
+            now=now, dt=dt, policy=policy, quantum=quantum, grace=grace,
+            drain_timeout=drain_timeout, rates=rates, turn=turn, was_open=was_open,
+            waiting=waiting, answered=answered, late=late, barred=barred, credits=credits,
+            rested=rested, holder_active=holder_active, active=active, holder=holder,
+            slack=quantum * ELIGIBLE_SLACK_QUANTA, unpaid=unpaid, shared_half=shared_half,
+            idle=now - holder_active >= grace, overlaps_full=overlaps >= MAX_OVERLAP,
+            _grants={})
 
     def share(self, name: str) -> float:
         return self.rates[name][0]
 
     def preempts(self, name: str) -> bool:
         return self.rates[name][2]
-
-    @property
-    def slack(self) -> float:
-        """How far behind in share credit a container may start a turn."""
-        return self.quantum * ELIGIBLE_SLACK_QUANTA
 
     def may_run(self, name: str) -> bool:
         """May start a turn (`may_run`): by its credits now."""
@@ -645,18 +674,6 @@ class Facts:
                        bool(self.barred) and name not in self.barred)
 
     # The holder's books.
-
-    @_once
-    def unpaid(self) -> float:
-        """What paying the holder up to now charges it (nothing of a span it shares)."""
-        turn = self.turn
-        return 0.0 if turn is None or turn.sharing is not None else self.now - turn.paid_to
-
-    @_once
-    def shared_half(self) -> float:
-        """The holder's half of the span it shares, if it shares one."""
-        turn = self.turn
-        return 0.0 if turn is None or turn.sharing is None else (self.now - turn.paid_to) / 2
 
     def credit_after_turn(self, name: str) -> tuple[float, float]:
         """`name`'s credits once the present turn ends now (the holder pays it)."""
@@ -698,11 +715,6 @@ class Facts:
     @_once
     def slice_over(self) -> bool:
         return self.now >= self.slice_end
-
-    @_once
-    def idle(self) -> bool:
-        """The holder neither launched nor waited for the idle grace."""
-        return self.now - self.holder_active >= self.grace
 
     def gives_up_when_idle(self, holder: str, company: bool, late: Mapping[str, Late]) -> bool:
         """Whether `holder`, if it goes idle, gives the GPU up (so is watched for
@@ -749,11 +761,6 @@ class Facts:
             self.rates[n][2] and not credit(n) for n in passed if n != chosen)
 
     # Handovers.
-
-    @_once
-    def overlaps_full(self) -> bool:
-        """MAX_OVERLAP handover drains run: nobody more may wake into the GPU."""
-        return sum(late.deadline is not None for late in self.late.values()) >= MAX_OVERLAP
 
     def owed(self, name: str) -> bool:
         """Whether `name` is further behind its share than the holder of a slice
@@ -814,7 +821,8 @@ class Facts:
         standing = 0.0
         if self.policy.work_conserving and owing:
             standing = min(0.0, max(books[n][0] / rates[n][0] for n in owing))
-        settled = {n: (books[n][0] - standing * rates[n][0], books[n][1]) for n in pool}
+        settled = books if not standing else {
+            n: (books[n][0] - standing * rates[n][0], books[n][1]) for n in pool}
 
         def runs(n: str) -> bool:
             credit, cap_credit = settled[n]
@@ -1256,10 +1264,12 @@ class SliceScheduler:
         if not native:
             # A container cut before it answered still has work of its own on the
             # GPU: it waits for nothing until it answers.
-            self._barred = {n: until for n, until in self._barred.items()
-                            if until > now and n in accounts}
-            waiting = frozenset(n for n, seen in observed.items()
-                                if seen.waiting and n in accounts and n not in self._late)
+            if self._barred:
+                self._barred = {n: until for n, until in self._barred.items()
+                                if until > now and n in accounts}
+            waiting = self._activity.waiting
+            if self._late:
+                waiting = waiting.difference(self._late)
             if self._barred:
                 waiting = self._audited(waiting, turn)
         names = accounts.keys() if native else waiting | {holder} if holder else waiting
@@ -1267,8 +1277,8 @@ class SliceScheduler:
         return Facts(
             now=now, dt=dt, policy=self._config.policy, quantum=self.quantum,
             grace=self.idle_grace, drain_timeout=self.drain_timeout, rates=self._rates,
-            turn=turn, holder=holder,
-            was_open=state.open if isinstance(state, Native) else frozenset(), waiting=waiting,
+            turn=turn, was_open=state.open if isinstance(state, Native) else frozenset(),
+            waiting=waiting,
             answered=holder is not None and observed.get(holder, NOTHING).answered,
             late=dict(self._late), barred=frozenset(self._barred),
             credits={n: (accounts[n].credit, accounts[n].cap_credit) for n in names},
