@@ -601,8 +601,9 @@ class GrantChoice(NamedTuple):
 @dataclass(frozen=True, init=False)
 class Facts:
     """What one step decides from, computed once at its start (after the books
-    took in the observations and the late answers): every guard of the table,
-    the grants, the wake times and the arming ask these, and nothing else."""
+    took in the observations and the late answers): every guard of the table
+    and the grants ask these, and nothing else. (The decision after the move
+    arms gates by the same `may_run`, of the books as the move left them.)"""
 
     now: float
     dt: float
@@ -660,12 +661,6 @@ class Facts:
             slack=quantum * ELIGIBLE_SLACK_QUANTA, unpaid=unpaid, shared_half=shared_half,
             idle=now - holder_active >= grace, overlaps_full=overlaps >= MAX_OVERLAP,
             _grants={})
-
-    def share(self, name: str) -> float:
-        return self.rates[name][0]
-
-    def preempts(self, name: str) -> bool:
-        return self.rates[name][2]
 
     def may_run(self, name: str) -> bool:
         """May start a turn (`may_run`): by its credits now."""
