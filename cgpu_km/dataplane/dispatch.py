@@ -360,6 +360,7 @@ class RegionPort:
         self._doorbells: dict[str, int] = {}  # addresses, fixed while a region is mapped
         self._rung: dict[str, int] = {}  # doorbell values at the last observation
         self._kick = ctypes.c_uint32(0)
+        self._waits = futex.WaitSet()
         self._lock = threading.Lock()
         # What `apply` last wrote into each container's region: the region, and
         # (open, armed, queue_ns) in it.
@@ -468,7 +469,7 @@ class RegionPort:
                 continue
             words.append((address, seen, True))
             names.append(name)
-        woken = futex.wait_any(words, deadline_ns)
+        woken = self._waits.wait(words, deadline_ns)
         with self._lock:
             drainer = self._entries.get(answers_of) if answers_of is not None else None
         looks = 1
@@ -481,7 +482,7 @@ class RegionPort:
             if self._answered(region, k):
                 break
             words[woken] = (words[woken][0], rung, True)
-            woken = futex.wait_any(words, deadline_ns)
+            woken = self._waits.wait(words, deadline_ns)
             looks += 1
         ringer = names[woken] if 0 <= woken < len(names) else None
         if ringer is not None and ringer != answers_of:

@@ -62,7 +62,6 @@ def wait_any(words: Sequence[tuple[int, int, bool]], deadline_ns: int) -> int:
     most 128 words (the kernel's limit); returns early, never late: the index
     of the word that was woken, else -1 (a deadline, a value that had already
     changed, or no futex_waitv)."""
-    global _have_waitv
     now = time.monotonic_ns()
     if deadline_ns <= now:
         return -1
@@ -75,8 +74,46 @@ def wait_any(words: Sequence[tuple[int, int, bool]], deadline_ns: int) -> int:
         waiter.uaddr = address
         waiter.val = value & 0xFFFFFFFF
         waiter.flags = _FUTEX2_SIZE_U32 | (0 if shared else _FUTEX2_PRIVATE)
+    return _waitv(waiters, len(words), deadline_ns)
+
+
+class WaitSet:
+    """`wait_any` over one reusable array: a wait writes only the words that
+    differ from the last wait's (a dispatcher waits on much the same words
+    every time, and filling the kernel's array costs more than the wait)."""
+
+    def __init__(self) -> None:
+        self._array = (_Waiter * 8)()
+        self._held: list[tuple[int, int, bool]] = []
+
+    def wait(self, words: Sequence[tuple[int, int, bool]], deadline_ns: int) -> int:
+        """As `wait_any`."""
+        n = len(words)
+        if not words or n > 128 or not _have_waitv:
+            return wait_any(words, deadline_ns)
+        if n > len(self._array):
+            self._array = (_Waiter * max(n, 2 * len(self._array)))()
+            self._held = []
+        held, array = self._held, self._array
+        for i, word in enumerate(words):
+            if i >= len(held) or held[i] != word:
+                waiter = array[i]
+                address, value, shared = word
+                waiter.uaddr = address
+                waiter.val = value & 0xFFFFFFFF
+                waiter.flags = _FUTEX2_SIZE_U32 | (0 if shared else _FUTEX2_PRIVATE)
+        self._held = list(words)
+        return _waitv(array, n, deadline_ns)
+
+
+def _waitv(waiters: ctypes.Array[_Waiter], n: int, deadline_ns: int) -> int:
+    """futex_waitv(2) on the first `n` of `waiters` until `deadline_ns`."""
+    global _have_waitv
+    now = time.monotonic_ns()
+    if deadline_ns <= now:
+        return -1
     timeout = _Timespec(deadline_ns // 1_000_000_000, deadline_ns % 1_000_000_000)
-    rc = _libc.syscall(ctypes.c_long(_SYS_FUTEX_WAITV), waiters, ctypes.c_uint(len(words)),
+    rc = _libc.syscall(ctypes.c_long(_SYS_FUTEX_WAITV), waiters, ctypes.c_uint(n),
                        ctypes.c_uint(0), ctypes.byref(timeout), ctypes.c_int(_CLOCK_MONOTONIC))
     if rc < 0 and ctypes.get_errno() == errno.ENOSYS:
         _have_waitv = False

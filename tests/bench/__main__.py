@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cgpu_km.daemon.snapshot import read_snapshot
 from tests.bench import attacks, deadlines, latency, libcgpu_bench, loaded, stops
 from tests.bench.shares import (
     STEADY_AFTER,
@@ -310,13 +311,25 @@ def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
           f"policy 4, 5 ms kernels; % of one core (target: under 2% at the default period)")
     host = SimHost(base / "cpu", root, gpus=gpus)
 
+    def dispatched() -> tuple[int, int]:
+        """The dispatchers' wake-ups and switches so far, all GPUs (the snapshot's)."""
+        snapshot = read_snapshot(host.state_dir / "snapshot.json")
+        gpus = snapshot.gpus if snapshot is not None else ()
+        return sum(g.dispatch_wakes for g in gpus), sum(g.switches for g in gpus)
+
     def cpu_of_daemon(period: float, what: str) -> None:
         host.start_daemon(period)
         time.sleep(8)  # past the start: reading 200 containers, feeding their meminfo
-        cpu0, wall0 = host.daemon_cpu_seconds(), time.monotonic()
+        cpu0, wall0, (wakes0, switches0) = host.daemon_cpu_seconds(), time.monotonic(), dispatched()
         time.sleep(seconds)
-        cpu = (host.daemon_cpu_seconds() - cpu0) / (time.monotonic() - wall0)
-        print(f"  {what:<40} period {period * 1000:3.0f} ms: {100 * cpu:5.1f}%", flush=True)
+        cpu = host.daemon_cpu_seconds() - cpu0
+        wall = time.monotonic() - wall0
+        wakes, switches = (now - then for now, then in zip(dispatched(), (wakes0, switches0),
+                                                              strict=True))
+        per_switch = (f"; {switches / wall:4.0f} switches/s, {wakes / switches:4.1f} wake-ups "
+                      f"and {1e3 * cpu / switches:5.2f} ms CPU per switch" if switches else "")
+        print(f"  {what:<40} period {period * 1000:3.0f} ms: {100 * cpu / wall:5.1f}%"
+              f"{per_switch}", flush=True)
         host.kill_daemon(15)
 
     def name(gpu: int, k: int) -> str:
