@@ -92,7 +92,8 @@ def quiet_of(record: Record, run: PairRun) -> Callable[[float, float], bool]:
 def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
     """The run's figures; steady windows of at least `shortest` s are judged."""
     probes = [p for p in record.probes if p.started is not None]
-    probed = [p for p in probes if p.total is not None]
+    # Probed: both answers came (a container stopped by a fault may not get that far).
+    probed = [p for p in probes if p.total is not None and p.over_refused is not None]
     broken = [f"#{p.number} {p.engine} GPU {p.gpu}: total {p.total} of {p.expected}, "
               f"limit+1 {'refused' if p.over_refused else 'GRANTED'}"
               for p in probed if p.total != p.expected or not p.over_refused]
