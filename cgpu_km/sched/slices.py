@@ -23,9 +23,9 @@ whose credits are not negative; when none is, the GPU stays idle until one
 is (that is how shares below 1 hold under policies 0, 2 and 3). A
 preempting container that may run and waits ends another's slice at once,
 unless that one was granted while it could not run: then the slice is the
-other's turn, as long as any (cut short whenever the preempting one's credit
-came back, the other's turns were slivers that each paid a whole drain: a
-capped container beside it lost a fifth of its cap). Positive
+other's turn, a quantum as any (cut short whenever the preempting one's
+credit came back, the other's turns were slivers that each paid a whole
+drain: a capped container beside it lost a fifth of its cap). Positive
 credit is clamped to a short burst while a container is idle (no banking). A
 lone busy holder keeps the GPU without a drain: its slice is renewed while
 nobody else waits and its credit allows. One that waits for credit only is
@@ -87,7 +87,7 @@ no longer counts against MAX_OVERLAP.
 
 The rules are one table, `TABLE`: each step works out its `Facts` once
 (after it took in the observations, accrued credit and heard the late
-answer), then takes the first row for the present state whose guard holds
+answers), then takes the first row for the present state whose guard holds
 (`transition`; a move not in the table raises `TransitionError`), and
 applies the row's effects (data: `Charge`, `MarkLate`, `Grant`...) in one
 place. Nothing else changes the state but `configure` (a holder or drainer
@@ -149,7 +149,9 @@ from cgpu_km.sched.allotments import GpuConfig, Policy, allotments
 
 __all__ = [
     "QUANTUM",
+    "TABLE",
     "Draining",
+    "Facts",
     "Holding",
     "Idle",
     "IdleWatch",
@@ -157,9 +159,13 @@ __all__ = [
     "Native",
     "Observation",
     "ProcessRests",
+    "Row",
     "SliceDecision",
     "SliceScheduler",
     "State",
+    "TransitionError",
+    "may_run",
+    "transition",
 ]
 
 
