@@ -11,6 +11,7 @@ found the driver's entry points taken by someone else.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,27 @@ from cgpu_km.tree.views import Key
 
 Identity = tuple[int, int, int]  # (pid namespace, pid in it, start time)
 KNOWN_FOR = 10.0  # seconds a process's slot figures are kept after it was last seen
+OFFSET_TRIES = 4  # bracketed reads of the two clocks, at most
+OFFSET_TIGHT = 0.0002  # seconds: a bracket this narrow needs no other try
+
+
+def clock_offset(monotonic: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> float:
+    """The wall clock's lead on the monotonic clock, from the narrowest of a few
+    reads of the wall clock between two of the monotonic one. A thread
+    stopped between two plain reads (a starved host, another thread taking
+    the GIL) would date every sample of the round that much early, and the
+    check would weigh it against grants it did not run in."""
+    width, offset = math.inf, 0.0
+    for _ in range(OFFSET_TRIES):
+        before = monotonic()
+        at = wall()
+        after = monotonic()
+        if after - before < width:
+            width, offset = after - before, at - (before + after) / 2
+        if width <= OFFSET_TIGHT:
+            break
+    return offset
 
 
 @dataclass(frozen=True)
@@ -65,7 +87,7 @@ class UsageReader:
         since = {gpu: max(0, seen - 1_000_000) for gpu, seen in self._last_seen.items()}
         found = self.nvml.utilization_by_pid(since)
         now = time.monotonic()
-        offset = time.time() - now  # NVML dates samples by the wall clock, in microseconds
+        offset = clock_offset()  # NVML dates samples by the wall clock, in microseconds
         grants = grants_of()
         fresh = {gpu: self._fresh(gpu, found.get(gpu, ())) for gpu in grants}
         samples: dict[int, list[Sample]] = {gpu: [] for gpu in grants}
