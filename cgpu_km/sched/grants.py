@@ -7,7 +7,12 @@ over from): every span the scheduler charges it for, or knows it runs beside
 the holder. An armed gate lets a launch through, which rings: the next step
 grants the container or closes the gate, a round trip later; so a container
 that never waits at its gate stays armed without ever being granted, and
-one may run for SETTLE after a launch went through its armed gate.
+one may run for SETTLE after a launch went through its armed gate. Such a
+launch may have gone through at any time after the step that armed the gate,
+and on a starved host the step that sees it may come long after (the
+dispatcher wakes late to the ring): a container armed at one step that may
+run at the next might have run since the first (`GrantLog.record`), and
+until the next step nobody knows whether it did (`GrantHistory.armed`).
 
 The dispatcher records the set at every step that changes it
 (`GrantLog.record`), and marks itself alive at every step and heartbeat
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
@@ -53,6 +59,9 @@ class GrantHistory:
     marks: tuple[Mark, ...]
     blind: tuple[tuple[float, float], ...] = ()
     driven: Mapping[str, float] = field(default_factory=dict)  # since when, by name
+    # Those whose gates the last step armed, with its time: what they ran since
+    # is known only once the next step saw their launches.
+    armed: Mapping[str, float] = field(default_factory=dict)
     times: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +95,12 @@ class GrantHistory:
         return total
 
 
+    def settled(self, name: str, end: float) -> bool:
+        """Whether what `allowed` says of `name` up to `end` is final: not past the
+        step that armed its gate (a launch through it since shows only at the
+        next step, which counts it from the arming step on)."""
+        return end <= self.armed.get(name, math.inf)
+
     def known_from(self, name: str) -> float | None:
         """From when `allowed` may know `name`: the log's start, or SETTLE after the
         dispatcher first drove it (None: it does not)."""
@@ -99,6 +114,7 @@ class GrantHistory:
         if known is None:
             return []
         begin = max(begin, known)
+        end = min(end, self.armed.get(name, math.inf))  # an armed gate: not known yet
         spans: list[tuple[float, float]] = []
         start: float | None = None
         for index in range(max(bisect.bisect_right(self.times, begin) - 1, 0),
@@ -134,15 +150,24 @@ class GrantLog:
         self._blind: collections.deque[tuple[float, float]] = collections.deque()
         self._alive_at = start
         self._driven: dict[str, float] = {}
+        self._armed: frozenset[str] = frozenset()  # by the last step,
+        self._armed_at = start  # at this time
 
     def record(self, now: float, may_run: Iterable[str] | None,
-               driven: Set[str] | None = None) -> None:
+               driven: Set[str] | None = None, armed: Iterable[str] = ()) -> None:
         """From `now` on, these may run (EVERYONE: all of them); `driven`: the
-        containers whose gates the dispatcher drives now (None: as before)."""
+        containers whose gates the dispatcher drives now (None: as before);
+        `armed`: those whose gates it arms now. One armed at the last step that
+        may run now launched through its armed gate (or is granted on its
+        ring): it might have run since that step."""
         who = None if may_run is EVERYONE else frozenset(may_run)
         self.alive(now)
         if driven is not None and driven != self._driven.keys():
             self._driven = {name: self._driven.get(name, now) for name in driven}
+        before = self._marks[-1][1]
+        if who is not EVERYONE and before is not EVERYONE and self._armed & who - before:
+            self._since_armed(self._armed & who - before)
+        self._armed, self._armed_at = frozenset(armed), now
         if self._marks[-1][1] == who:
             return
         if self._marks[-1][1] is EVERYONE:
@@ -151,6 +176,16 @@ class GrantLog:
             self._marks.pop()
         self._marks.append((now, who))
         self._forget(now)
+
+    def _since_armed(self, names: frozenset[str]) -> None:
+        """`names` might have run since the last step (`_armed_at`), through their
+        armed gates."""
+        at, who = self._marks[-1]
+        assert who is not EVERYONE
+        if at >= self._armed_at:  # the last step changed the set: it is the mark
+            self._marks[-1] = (at, who | names)
+        else:
+            self._marks.append((self._armed_at, who | names))
 
     def alive(self, now: float) -> None:
         """The dispatcher stepped or beat at `now`."""
@@ -173,4 +208,5 @@ class GrantLog:
         if now - self._alive_at > BLIND_AFTER:
             blind += ((self._alive_at, float("inf")),)
         return GrantHistory(start=self.start, marks=tuple(self._marks), blind=blind,
-                            driven=dict(self._driven))
+                            driven=dict(self._driven),
+                            armed=dict.fromkeys(self._armed, self._armed_at))

@@ -17,7 +17,9 @@ times what it ran (`simgpu` imitates both). So:
   what its container might have run in that sample's period (widened by the
   uncertainty of where the period lay), by more than `excess_min` seconds
   over the window. In a period in which the container might not run at all,
-  no factor makes use out of nothing.
+  no factor makes use out of nothing. A sample that reaches past the step
+  that armed the container's gate waits for the next step: a launch through
+  the armed gate shows only then, and counts from the arming step on.
 
 The first rule cannot see a process that reads low and steals less than
 half again of a busy container's grants: nearly every period of a busy
@@ -249,6 +251,8 @@ class Judge:
             near = grants.allowed(key[1], sample.end - longest - margin, sample.end + margin)
             if near is None or seconds <= self.tolerance * near:
                 continue
+            if not grants.settled(key[1], sample.end + margin):
+                continue  # through an armed gate? the next step tells: judged then
             over = past.setdefault(key, {})
             over[pid] = over.get(pid, 0.0) + seconds - self.tolerance * near
             if near == 0.0:

@@ -266,3 +266,65 @@ def test_honest_processes_are_never_judged(turns: list[float], runs: list[float]
                               bias=bias, phase=phase)
         launched[key, index] = 7.9
     assert judged(Judge(), history, samples, 8.0, launched) == []
+
+
+def test_work_through_an_armed_gate_counts_from_the_step_that_armed_it() -> None:
+    """A starved host: `b` looked rested (its process slow to come back to its gate),
+    so each step armed its gate. Its process woke at 2.01 and queued 80 ms of
+    kernels through the armed gate, run beside the holder `a`; the dispatcher,
+    starved too, stepped next only at 2.19, saw the launches and handed over
+    (`a` draining until 2.25). `b` might have run since the step at 2.1 that
+    armed its gate; before 2.19 nobody knows whether it did. (Counted from
+    2.19 only, a check at 2.18 judged it ungranted, and later ones past its
+    grants.)"""
+    log = driving("a", "b")
+    steps = [round(0.1 * k, 1) for k in range(22)]
+    for step in steps:  # the dispatcher steps every 0.1 s, and arms b each time
+        log.record(step, {"a"}, armed={"b"})
+    early = log.history(2.18)
+    assert early.allowed("b", 2.0, 2.18) == 0.0
+    assert not early.settled("b", 2.2)
+    assert early.settled("b", 2.1)
+    assert early.settled("a", 2.2)
+    assert early.quiet("b", 1.0, 2.18) == [(1.0, 2.1)]
+    log.record(2.19, {"a", "b"})  # b's launches seen; a draining
+    log.record(2.25, {"b"})
+    log.alive(2.75)
+    log.record(3.0, {"a"}, armed=set())
+    late = log.history(3.0)
+    assert math.isclose(late.allowed("b", 2.0, 2.19) or 0.0, 0.09)
+    assert late.settled("b", 3.0)
+
+    def ran(begin: float, end: float) -> float:
+        """b's kernel time in [begin, end]: half of [2.01, 2.17] beside a, all of
+        its turn (half while a drains)."""
+        def part(a: float, b: float, share: float) -> float:
+            return share * max(0.0, min(b, end) - max(a, begin))
+        return part(2.01, 2.17, 0.5) + part(2.19, 2.25, 0.5) + part(2.25, 3.0, 1.0)
+
+    samples = [Sample(B, 20, end, min(100, math.floor(100 * 1.4 * ran(end - PERIOD, end)
+                                                      / PERIOD)))
+               for end in (k * PERIOD for k in range(1, 19))]
+    samples = [s for s in samples if s.percent]
+    judge = Judge()
+    verdicts = []
+    for now, history in ((2.18, early), (2.5, late), (3.0, late)):
+        judge.add(GPU, [s for s in samples if now - 0.5 < s.end <= now])
+        verdicts += judge.judge(GPU, now, history, {(B, 20): now})
+    assert verdicts == []
+
+
+def test_a_thief_behind_a_gate_that_stays_armed_is_judged_a_step_later() -> None:
+    """`b` never launches through its gate, so each step arms it again; a process of
+    it runs beside the holder anyway. A sample past the last step waits for the
+    next one, and is judged then."""
+    log = driving("a", "b")
+    judge = Judge()
+    thief = [Sample(B, 21, 2.0 + k * PERIOD, 50) for k in range(13)]
+    for k in range(31):
+        log.record(round(0.1 * k, 1), {"a"}, armed={"b"})
+    history = log.history(3.0)
+    assert not history.settled("b", 3.01)
+    judge.add(GPU, thief)
+    verdicts = judge.judge(GPU, 3.0, history, {(B, 21): None})
+    assert [(v.key, v.pids, v.ungranted) for v in verdicts] == [(B, (21,), True)]
