@@ -279,8 +279,8 @@ def plot(record: Record, path: Path) -> str:
         ax.set_ylim(0, 1)
         ax.set_ylabel(f"GPU {gpu}", rotation=0, ha="right")
     axes[0].legend(loc="upper right", fontsize="small", ncol=2)
-    axes[0].set_title("share of each pair's second workload (kernels counted), and the "
-                      "daemon's RSS; faults marked")
+    figure.suptitle("share of each pair's second workload (kernels counted), and the "
+                    "daemon's RSS; faults marked")
     rss = axes[-1]
     rss.plot(times, [s.rss_kib / 1024 if s.daemon_pid else float("nan")
                      for s in record.samples], color="tab:red")
@@ -292,7 +292,7 @@ def plot(record: Record, path: Path) -> str:
         for ax in axes:
             ax.axvline(fault.at, color=colours[fault.kind], lw=0.8, alpha=0.8)
         axes[0].annotate(fault.kind, (fault.at, 1.0), fontsize=6, rotation=90, va="bottom")
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0, 1, 0.97))
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return f"plot: {path}"
