@@ -11,8 +11,9 @@ one may run for SETTLE after a launch went through its armed gate. Such a
 launch may have gone through at any time after the step that armed the gate,
 and on a starved host the step that sees it may come long after (the
 dispatcher wakes late to the ring): a container armed at one step that may
-run at the next might have run since the first (`GrantLog.record`), and
-until the next step nobody knows whether it did (`GrantHistory.armed`).
+run at the next might have run since the first (`GrantLog.record`; for
+SETTLE at most, as long as what went through may run on after), and until
+the next step nobody knows whether it did (`GrantHistory.armed`).
 
 The dispatcher records the set at every step that changes it
 (`GrantLog.record`), and marks itself alive at every step and heartbeat
@@ -166,7 +167,7 @@ class GrantLog:
             self._driven = {name: self._driven.get(name, now) for name in driven}
         before = self._marks[-1][1]
         if who is not EVERYONE and before is not EVERYONE and self._armed & who - before:
-            self._since_armed(self._armed & who - before)
+            self._since_armed(self._armed & who - before, max(self._armed_at, now - SETTLE))
         self._armed, self._armed_at = frozenset(armed), now
         if self._marks[-1][1] == who:
             return
@@ -177,15 +178,15 @@ class GrantLog:
         self._marks.append((now, who))
         self._forget(now)
 
-    def _since_armed(self, names: frozenset[str]) -> None:
-        """`names` might have run since the last step (`_armed_at`), through their
-        armed gates."""
+    def _since_armed(self, names: frozenset[str], since: float) -> None:
+        """`names` might have run since `since` (not before the last step),
+        through their armed gates."""
         at, who = self._marks[-1]
         assert who is not EVERYONE
-        if at >= self._armed_at:  # the last step changed the set: it is the mark
+        if at >= since:  # the last step changed the set at `since`: it is the mark
             self._marks[-1] = (at, who | names)
         else:
-            self._marks.append((self._armed_at, who | names))
+            self._marks.append((since, who | names))
 
     def alive(self, now: float) -> None:
         """The dispatcher stepped or beat at `now`."""

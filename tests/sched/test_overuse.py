@@ -314,6 +314,19 @@ def test_work_through_an_armed_gate_counts_from_the_step_that_armed_it() -> None
     assert verdicts == []
 
 
+def test_an_armed_gate_counts_for_settle_at_most_before_the_step_that_saw_it() -> None:
+    """An idle dispatcher armed `b` and slept 0.8 s before the ring of its launch:
+    the launch may have gone through at any time since, but what went through
+    counts for SETTLE before that step at most, as it does after it."""
+    log = driving("a", "b")
+    log.record(1.0, {"a"}, armed={"b"})
+    log.alive(1.5)
+    log.record(1.8, {"a", "b"})
+    history = log.history(1.8)
+    assert history.allowed("b", 1.0, 1.8 - SETTLE) == 0.0
+    assert math.isclose(history.allowed("b", 1.0, 1.8) or 0.0, SETTLE)
+
+
 def test_a_thief_behind_a_gate_that_stays_armed_is_judged_a_step_later() -> None:
     """`b` never launches through its gate, so each step arms it again; a process of
     it runs beside the holder anyway. A sample past the last step waits for the
