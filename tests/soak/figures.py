@@ -85,10 +85,21 @@ class Window:
     seconds: float
     expected: float
     error: float
+    kernels: tuple[int, int] = (0, 0)  # the first workload's, the second's
 
     @property
     def held(self) -> bool:
         return abs(self.error) <= TARGET
+
+
+def pooled(windows: Sequence[Window]) -> dict[tuple[int, float], float]:
+    """Each GPU's ratio error over all its steady windows of one expected ratio, their
+    kernels summed: (GPU, expected) -> error."""
+    sums: dict[tuple[int, float], tuple[int, int]] = {}
+    for w in windows:
+        one, two = sums.get((w.gpu, w.expected), (0, 0))
+        sums[(w.gpu, w.expected)] = (one + w.kernels[0], two + w.kernels[1])
+    return {key: ratio_error(one, two, key[1]) for key, (one, two) in sums.items()}
 
 
 def steady_windows(first: Report, second: Report, gpu: int, t0: float,
@@ -108,8 +119,9 @@ def steady_windows(first: Report, second: Report, gpu: int, t0: float,
             a, b = t0 + run[0], t0 + run[-1] + step
             want = expected(run[0])
             assert want is not None
-            found.append(Window(gpu, run[0], len(run) * step, want,
-                                ratio_error(count(first, a, b), count(second, a, b), want)))
+            one, two = count(first, a, b), count(second, a, b)
+            found.append(Window(gpu, run[0], len(run) * step, want, ratio_error(one, two, want),
+                                (one, two)))
         run.clear()
 
     start = span[0]

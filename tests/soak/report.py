@@ -171,6 +171,8 @@ def table(s: Summary) -> str:
     """The run's figures, each with its target."""
     left = {k: len(v) for k, v in s.leftovers.items()}
     worst = max((abs(w.error) for w in s.windows), default=0.0)
+    pooled = list(figures.pooled(s.windows).values())
+    pooled_worst = max((abs(e) for e in pooled), default=0.0)
     rows = [
         ("run", f"{s.seconds:g} s", ""),
         ("containers started (docker / runc)",
@@ -186,6 +188,8 @@ def table(s: Summary) -> str:
         ("daemon fds growth", growth(s.fds_growth, "fds", 1), "fitted, least squares"),
         ("steady windows within 5%", f"{s.windows_held} of {len(s.windows)} "
          f"(worst {100 * worst:.1f}%; {sum(w.seconds for w in s.windows):.0f} s)", "all"),
+        ("the same, pooled by GPU and ratio", f"{sum(1 for e in pooled if abs(e) <= 0.05)} "
+         f"of {len(pooled)} (worst {100 * pooled_worst:.1f}%)", "all"),
         ("containers lost after restarts", f"{s.lost}", "none"),
         ("unexplained error lines", f"{len(s.errors)} ({s.warnings} warnings)", "none"),
         ("leftovers", ", ".join(f"{k} {v}" for k, v in left.items()), "none"),

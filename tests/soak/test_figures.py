@@ -50,6 +50,14 @@ def test_steady_windows_are_the_quiet_busy_spans_long_enough_to_judge() -> None:
     assert [(w.start, w.seconds, w.expected) for w in windows] == [(8, 2, 2.0), (10, 2, 1.0)]
 
 
+def test_pooled_sums_each_gpu_s_windows_of_one_ratio() -> None:
+    windows = [figures.Window(0, 0, 4, 2.0, 0.1, (100, 220)),
+               figures.Window(0, 8, 4, 2.0, -0.1, (100, 180)),
+               figures.Window(0, 20, 4, 1.0, 0.0, (50, 50)),
+               figures.Window(1, 0, 4, 2.0, 0.5, (10, 30))]
+    assert figures.pooled(windows) == {(0, 2.0): 0.0, (0, 1.0): 0.0, (1, 2.0): 0.5}
+
+
 def test_recovery_is_the_first_time_shares_hold_for_the_next_two_seconds() -> None:
     t0 = 50.0
     first = report(t0, [1] * 12, 12)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.attacks.node import missing
-from tests.soak import report
+from tests.soak import figures, report
 from tests.soak.runner import run_plan
 
 SEED = 1
@@ -35,6 +35,11 @@ def test_a_minute_of_churn_and_faults_leaves_nothing_and_holds_every_limit(
     assert summary.lost == 0
     assert summary.errors == []
     assert {k: v for k, v in summary.leftovers.items() if v} == {}
-    # Shares, where a window could be judged (at least 4 s in which both workloads
-    # were busy all along, no fault, restart or write near): within 5% of the policy's.
-    assert [w for w in summary.windows if not w.held] == []
+    # Shares, where they can be judged: over each GPU's steady windows (at least 4 s
+    # in which both workloads were busy all along, no fault, restart, write or churn
+    # on the GPU near), kernels summed, within 5% of the policy's ratio. A single 4 s
+    # window is a few hundred kernels, some of them a slice's worth either way on a
+    # loaded host: the table prints each window's figure.
+    missed = {key: e for key, e in figures.pooled(summary.windows).items()
+              if abs(e) > figures.TARGET}
+    assert missed == {}
