@@ -341,3 +341,51 @@ def test_a_thief_behind_a_gate_that_stays_armed_is_judged_a_step_later() -> None
     judge.add(GPU, thief)
     verdicts = judge.judge(GPU, 3.0, history, {(B, 21): None})
     assert [(v.key, v.pids, v.ungranted) for v in verdicts] == [(B, (21,), True)]
+
+
+@given(step=st.floats(0.01, 0.25), late=st.floats(0.0, 0.25), launch=st.floats(1.0, 2.0),
+       work=st.floats(0.01, 0.32), bias=st.floats(0.7, 1.4), phase=st.floats(0.0, PERIOD),
+       handover=st.floats(0.0, 0.1))
+@example(step=0.1, late=0.18, launch=2.01, work=0.16, bias=1.4, phase=0.0, handover=0.06)
+@settings(deadline=None)
+def test_honest_work_through_an_armed_gate_is_never_judged(
+        step: float, late: float, launch: float, work: float, bias: float, phase: float,
+        handover: float) -> None:
+    """`a` holds; every step arms `b`, until `b`'s process queues `work` of kernels
+    through its armed gate at `launch` (run beside `a`, half the time each). The
+    dispatcher's next step comes `late` after the launch, sees it and hands the
+    GPU over (`a` draining for `handover`). Checks every quarter second, each
+    with the log as it stood then: nothing is judged."""
+    steps = [round(k * step, 6) for k in range(math.ceil(launch / step))]
+    seen = launch + late
+    events: list[tuple[float, set[str], set[str]]] = [(t, {"a"}, {"b"}) for t in steps]
+    events += [(seen, {"a", "b"}, set()), (seen + handover, {"b"}, set()),
+               (3.0, {"b"}, set())]
+    beside_until = launch + 2 * work  # b's work, half the time until it is granted alone
+    alone = seen + handover
+
+    def ran(begin: float, end: float) -> float:
+        def part(a: float, b: float, share: float) -> float:
+            return share * max(0.0, min(b, end) - max(a, begin))
+        if beside_until <= alone:
+            return part(launch, beside_until, 0.5) + part(alone, 3.0, 1.0)
+        return part(launch, alone, 0.5) + part(alone, 3.0, 1.0)
+
+    samples = []
+    end = phase + PERIOD
+    while end <= 3.0:
+        percent = min(100, math.floor(100 * bias * ran(end - PERIOD, end) / PERIOD))
+        if percent:
+            samples.append(Sample(B, 20, end, percent))
+        end += PERIOD
+    judge = Judge()
+    now = 0.25
+    while now <= 3.0:
+        log = driving("a", "b")
+        for at, who, armed in events:
+            if at <= now:
+                log.record(at, who, armed=armed)
+        log.alive(now)
+        judge.add(GPU, [s for s in samples if now - 0.25 < s.end <= now])
+        assert judge.judge(GPU, now, log.history(now), {(B, 20): now}) == []
+        now += 0.25
