@@ -92,14 +92,17 @@ class Window:
         return abs(self.error) <= TARGET
 
 
-def pooled(windows: Sequence[Window]) -> dict[tuple[int, float], float]:
+def pooled(windows: Sequence[Window], shortest: float = 0.0
+           ) -> dict[tuple[int, float], float]:
     """Each GPU's ratio error over all its steady windows of one expected ratio, their
-    kernels summed: (GPU, expected) -> error."""
-    sums: dict[tuple[int, float], tuple[int, int]] = {}
+    kernels summed, where they last `shortest` s in all: (GPU, expected) -> error."""
+    sums: dict[tuple[int, float], tuple[int, int, float]] = {}
     for w in windows:
-        one, two = sums.get((w.gpu, w.expected), (0, 0))
-        sums[(w.gpu, w.expected)] = (one + w.kernels[0], two + w.kernels[1])
-    return {key: ratio_error(one, two, key[1]) for key, (one, two) in sums.items()}
+        one, two, seconds = sums.get((w.gpu, w.expected), (0, 0, 0.0))
+        sums[(w.gpu, w.expected)] = (one + w.kernels[0], two + w.kernels[1],
+                                     seconds + w.seconds)
+    return {key: ratio_error(one, two, key[1]) for key, (one, two, seconds) in sums.items()
+            if seconds >= shortest}
 
 
 def steady_windows(first: Report, second: Report, gpu: int, t0: float,

@@ -56,6 +56,7 @@ def test_pooled_sums_each_gpu_s_windows_of_one_ratio() -> None:
                figures.Window(0, 20, 4, 1.0, 0.0, (50, 50)),
                figures.Window(1, 0, 4, 2.0, 0.5, (10, 30))]
     assert figures.pooled(windows) == {(0, 2.0): 0.0, (0, 1.0): 0.0, (1, 2.0): 0.5}
+    assert figures.pooled(windows, shortest=8) == {(0, 2.0): 0.0}
 
 
 def test_recovery_is_the_first_time_shares_hold_for_the_next_two_seconds() -> None:

