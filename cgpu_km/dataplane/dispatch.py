@@ -205,8 +205,11 @@ class Dispatcher:
 
     def step(self) -> SliceDecision:
         """One observe-decide-apply round (the thread's body; tests call it directly)."""
-        observed = self._observed = self.port.observe()
+        # The clock first: what the observation shows happened by then or after,
+        # and the grant log covers it from `now` (a launch between the two reads
+        # would otherwise fall before the grant that lets it run).
         now = self.clock()
+        observed = self._observed = self.port.observe()
         with self._lock:
             before = self._decision
             self._audit(now / 1e9, observed)
@@ -229,7 +232,8 @@ class Dispatcher:
             driven = self._stamped & observed.keys() & self._scheduler.config.containers.keys()
             self._grants.record(now / 1e9, EVERYONE if native else
                                 decision.open | late | holder | self._armed_work(
-                                    before, observed, now / 1e9), driven=driven)
+                                    before, observed, now / 1e9), driven=driven,
+                                armed=frozenset() if native else decision.armed)
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed, decision.idle_watch)
