@@ -238,10 +238,10 @@ class Dispatcher:
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed, decision.idle_watch)
         if log.isEnabledFor(logging.DEBUG) and (before is None or before.open != decision.open):
-            log.debug("GPU %d at %.4f: open %s (waiting %s; drained %s)", self.gpu, now / 1e9,
-                      ",".join(sorted(decision.open)) or "-",
+            log.debug("GPU %d at %.4f: open %s (waiting %s; not answered %s)", self.gpu,
+                      now / 1e9, ",".join(sorted(decision.open)) or "-",
                       ",".join(sorted(n for n, o in observed.items() if o.waiting)) or "-",
-                      " ".join(f"{n}={o.drained_at:.4f}" for n, o in sorted(observed.items())))
+                      ",".join(sorted(n for n, o in observed.items() if not o.answered)) or "-")
         return decision
 
     def _wake_at(self, decision: SliceDecision) -> float:
@@ -401,7 +401,6 @@ class RegionPort:
             waiting = False
             launches = 0
             answered = True
-            drained = 0
             rest = 0.0
             idle_since = 0  # the latest of its processes' idle reports; -1: one is busy
             for slot in slots:
@@ -414,7 +413,6 @@ class RegionPort:
                 if line.watching:
                     if line.drained_seq != close_seq:
                         answered = False
-                    drained = max(drained, line.drained_ns)
                     if idle_since >= 0:
                         idle_since = max(idle_since, line.idle_ns) if line.idle_ns else -1
             active_at = None
@@ -423,7 +421,7 @@ class RegionPort:
                 idle = idle_since > 0 and not waiting
                 active_at = idle_since / 1e9 if idle else now
             found[name] = Observation(waiting=waiting, launches=launches, answered=answered,
-                                      drained_at=drained / 1e9, active_at=active_at,
+                                      active_at=active_at,
                                       process_rest=rest, idle=idle)
         self._rests.end_round()
         self._rung = rung

@@ -175,10 +175,10 @@ class Observation:
 
     waiting: bool = False  # some process waits for the GPU (at the gate, or for its own work)
     launches: int = 0  # launches so far (compared between steps)
-    answered: bool = True  # every process that launched answered the latest close
-    # The latest of those answers' own drain times: for the log only, never charged
-    # on (a process may date its answer as it likes).
-    drained_at: float = 0.0
+    # Every process that launched answered the latest close. When its work
+    # finished is the process's own claim, so it is not asked: a holder is
+    # charged until its answer is seen.
+    answered: bool = True
     # When it was last active, if the caller knows (`IdleWatch`: its processes
     # say when they went idle, `idle`); None: at the instant of the observation,
     # if it launched since the last step.

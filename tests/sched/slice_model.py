@@ -173,7 +173,6 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                     waiting=was_waiting[name],
                     launches=sum(p.launches for p in mine),
                     answered=all(p.answered_seq == close_seq[name] for p in watching),
-                    drained_at=max((p.drained_at for p in watching), default=0.0),
                     process_rest=max(rests.look(id(p), p.launches, bool(
                         p.to_launch or (p.every == 0 and (p.queue or busy_wants))), t)
                         for p in mine),
