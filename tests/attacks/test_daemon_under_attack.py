@@ -169,7 +169,11 @@ def test_random_bytes_in_the_account_change_nothing_for_the_neighbours(node: Nod
     assert held_at_both(run.shares(run.start, run.end))
     during = (count(run.first, run.start, run.end), count(run.second, run.start, run.end))
     assert during[1] / during[0] == pytest.approx(2.0, rel=0.08)
-    assert run.fewest(1.0) > 150  # gates keep opening: each second, 250 and 500 due
+    # Gates keep opening: in any 2 s, 500 and 1000 due. (Not any 1 s: an honest
+    # neighbour may be audited on a sign, its samples risen against its grants, and
+    # is then barred for 0.42 s, which it takes back after; at 3a76863 as now, two
+    # runs in three audited one, and one in five left it 146 to 150 of 250 in a second.)
+    assert run.fewest(2.0) > 300
 
 
 @pytest.fixture(scope="module")
