@@ -239,7 +239,7 @@ def container_env(bundle: Path) -> dict[str, str]:
 
 
 def require_tree(root: Path) -> None:
-    if not (root / "inst_ctl").exists():
+    if not treefs.serves(root):
         raise HookError(f"no control tree at {root} (start cgpu-fuse or load cgpu_km.ko, "
                         "or pass --root / set CGPU_KM_ROOT)")
 
@@ -302,7 +302,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise HookError(f"--env {bad[0]!r}: expected KEY=VALUE", EXIT_BAD_VALUE)
         env = env_map(args.env)
     root = treefs.resolve_root(args.root)
-    print(make_plan(env, root if (root / "inst_ctl").exists() else None).to_json())
+    print(make_plan(env, root if treefs.serves(root) else None).to_json())
     return 0
 
 
@@ -352,7 +352,7 @@ def cmd_poststop(args: argparse.Namespace) -> int:
     if not claims.owns(recorded, ctx.container_id):
         return 0  # another container holds the id: nothing here is ours
     steps = POSTSTOP_STEPS
-    if not (root / "inst_ctl").exists():
+    if not treefs.serves(root):
         # No tree (cgpu-fuse down or restarting): nothing is registered, but the
         # container's region and claim, if it has them, are still on the host.
         if recorded is None:

@@ -170,7 +170,7 @@ def managed(args: argparse.Namespace) -> Iterator[Setup]:
         raise RunError(str(error)) from None
 
     root = None if args.no_tree else treefs.resolve_root(args.root)
-    if root is not None and not (root / "inst_ctl").exists():
+    if root is not None and not treefs.serves(root):
         raise RunError(f"no control tree at {root} (start cgpu-fuse or load cgpu_km.ko, "
                        f"or pass --no-tree)")
     added = _register(root, name, args) if root is not None else []

@@ -22,7 +22,14 @@ def resolve_root(root: str | os.PathLike[str] | None = None) -> Path:
         return Path(root)
     if os.environ.get("CGPU_KM_ROOT"):
         return Path(os.environ["CGPU_KM_ROOT"])
-    return PROC_ROOT if PROC_ROOT.exists() else FUSE_ROOT
+    return PROC_ROOT if os.path.exists(PROC_ROOT) else FUSE_ROOT
+
+
+def serves(root: Path) -> bool:
+    """Whether a control tree answers at `root`. False for a missing path and for
+    a dead FUSE mount alike: there `stat` fails with ENOTCONN, which
+    `Path.exists` raises rather than answers."""
+    return os.path.exists(root / "inst_ctl")
 
 
 def _write(path: Path, data: str) -> None:

@@ -6,6 +6,7 @@ the installed hook under runc with simgpu.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -22,6 +23,7 @@ from cgpu_km.dataplane import kernelview
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.gpus import GpuError, GpuInfo
 from cgpu_km.tree import client as treefs
+from tests.conftest import MountedTree
 
 GPUS = [GpuInfo(index=i, uuid=f"GPU-{i}000", name="Tesla T4", memory_total=15109 * MIB)
         for i in range(4)]
@@ -301,6 +303,31 @@ def test_poststop_without_the_tree_still_removes_the_region_and_claim(
     assert claims.read(ID12) is None
     assert run_hook(monkeypatch, control_tree, "poststop", bundle) == 0
     assert registered(control_tree) == {k: {} for k in range(4)}
+
+
+@pytest.mark.parametrize("mounted_tree", [4], indirect=True)
+def test_poststop_on_a_dead_fuse_mount_removes_the_region_and_claim(
+        mounted_tree: MountedTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """cgpu-fuse killed, its mount not yet gone: every stat there fails with ENOTCONN.
+    The container that stops then still loses its region and claim (the thirty-minute
+    soak left one of each behind this way: the hook died of the errno)."""
+    root = mounted_tree.root
+    bundle = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "3"})
+    assert run_hook(monkeypatch, root, "prestart", bundle) == 0
+    mounted_tree.process.kill()
+    mounted_tree.process.wait(timeout=30)
+    try:
+        with pytest.raises(OSError, match="not connected") as dead:
+            os.stat(root / "inst_ctl")
+        assert dead.value.errno == errno.ENOTCONN
+        assert run_hook(monkeypatch, root, "poststop", bundle) == 0, capsys.readouterr().err
+        assert not region_mod.region_path(ID12).exists()
+        assert claims.read(ID12) is None
+        assert run_hook(monkeypatch, root, "prestart", bundle) == 1
+        assert f"no control tree at {root}" in capsys.readouterr().err
+    finally:  # os.path.ismount says no on a dead mount: the fixture would leave it
+        subprocess.run(["fusermount", "-u", "-z", str(root)], check=False, capture_output=True)
 
 
 @pytest.mark.parametrize(("stdin", "message"), [
