@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  left behind, {kind}: {' '.join(left[:10])}")
     for at, line in summary.errors[:20]:
         print(f"  error at {at:.0f} s: {line}")
+    for line in summary.hook_errors[:20]:
+        print(f"  hook error at a stop: {line}")
     for line in report.write_outputs(record, summary, args.out):
         print(line)
     return 0

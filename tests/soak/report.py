@@ -51,6 +51,7 @@ class Summary:
     leftovers: dict[str, list[str]]
     errors: list[tuple[float, str]]
     warnings: int
+    hook_errors: list[str]
 
     @property
     def windows_held(self) -> int:
@@ -149,7 +150,8 @@ def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
         rss_kib=(samples[0].rss_kib, samples[-1].rss_kib) if samples else (0, 0),
         rss_growth=figures.fit_slope(rss), fds=(samples[0].fds, samples[-1].fds)
         if samples else (0, 0), fds_growth=figures.fit_slope(fds), windows=windows,
-        faults=faults, leftovers=record.leftovers, errors=errors, warnings=warnings)
+        faults=faults, leftovers=record.leftovers, errors=errors, warnings=warnings,
+        hook_errors=record.hook_errors)
 
 
 def median_or_never(values: Sequence[float | None]) -> float | None:
@@ -192,6 +194,7 @@ def table(s: Summary) -> str:
          f"of {len(pooled)} (worst {100 * pooled_worst:.1f}%)", "all"),
         ("containers lost after restarts", f"{s.lost}", "none"),
         ("unexplained error lines", f"{len(s.errors)} ({s.warnings} warnings)", "none"),
+        ("hook errors when runc stopped one", f"{len(s.hook_errors)}", "none"),
         ("leftovers", ", ".join(f"{k} {v}" for k, v in left.items()), "none"),
     ]
     width = max(len(r[0]) for r in rows)

@@ -120,6 +120,7 @@ class Record:
     samples: list[Sample] = field(default_factory=list)
     pairs: list[PairRun] = field(default_factory=list)
     leftovers: dict[str, list[str]] = field(default_factory=dict)
+    hook_errors: list[str] = field(default_factory=list)  # cgpu-hook's, at runc's stops
     daemon_log: str = ""
     applied: list[Event] = field(default_factory=list)  # the pairs and writes that took
 
@@ -134,6 +135,7 @@ class SoakNode(Node):
     def __init__(self, base: Path, tree: Path, rootfs: Path, gpus: int) -> None:
         super().__init__(base, tree, rootfs)
         self.claims = base / "claims"
+        self.hook_errors: list[str] = []  # what cgpu-hook said when runc stopped one
         self.sim = SimHost(base, tree, gpus=gpus, env={
             "SIMGPU_CONTEXT_MEM": "0", "CGPU_LIBCGPU": str(self.library),
             "CGPU_DAEMON_LOG_LEVELS": "1"})
@@ -158,8 +160,11 @@ class SoakNode(Node):
         for proc in container.procs:
             with contextlib.suppress(Exception):
                 proc.close()
-        subprocess.run(["runc", "delete", "--force", container.id], capture_output=True,
-                       timeout=60, check=False)
+        deleted = subprocess.run(["runc", "delete", "--force", container.id],
+                                 capture_output=True, text=True, timeout=60, check=False)
+        # runc runs poststop and tells what a failing hook printed
+        self.hook_errors += [f"{container.id12}: {line[line.index('cgpu-hook:'):][:300]}"
+                             for line in deleted.stderr.splitlines() if "cgpu-hook:" in line]
         with contextlib.suppress(ValueError):
             self.containers.remove(container)
         if keep_rootfs:
@@ -348,6 +353,7 @@ class Soak:
         self.node.remove(self.base_container)
         self.settle(record)
         record.leftovers = self.leftovers()
+        record.hook_errors = list(self.node.hook_errors)
         record.daemon_log = self.node.sim.daemon_log()
         return record
 

@@ -38,6 +38,7 @@ def test_a_minute_of_churn_and_faults_leaves_nothing_and_holds_every_limit(
             if f.done is None and f.kind != "launch-kill"] == []
     assert summary.lost == 0
     assert summary.errors == []
+    assert summary.hook_errors == []
     assert {k: v for k, v in summary.leftovers.items() if v} == {}
     # Shares, where they can be judged: each GPU's steady windows of one ratio (each at
     # least 4 s in which both workloads were busy all along, with no fault, restart,
