@@ -161,7 +161,8 @@ class SoakNode(Node):
             with contextlib.suppress(Exception):
                 proc.close()
         deleted = subprocess.run(["runc", "delete", "--force", container.id],
-                                 capture_output=True, text=True, timeout=60, check=False)
+                                 capture_output=True, text=True, errors="replace", timeout=60,
+                                 check=False)
         # runc runs poststop and tells what a failing hook printed
         self.hook_errors += [f"{container.id12}: {line[line.index('cgpu-hook:'):][:300]}"
                              for line in deleted.stderr.splitlines() if "cgpu-hook:" in line]
