@@ -47,7 +47,7 @@ from cgpu_km.sched import (
     SliceDecision,
     SliceScheduler,
 )
-from cgpu_km.sched.grants import EVERYONE, SETTLE, GrantHistory, GrantLog
+from cgpu_km.sched.grants import EVERYONE, GrantHistory, GrantLog
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -156,10 +156,7 @@ class Dispatcher:
         # The containers whose gates hold: their regions stamped by a heartbeat (a
         # gate fails open until then) and the scheduler configured with them.
         self._stamped: frozenset[str] = frozenset()
-        # Launches counted at the last step, and the containers whose armed gate let
-        # work through since, until when that work may still run.
-        self._launches: dict[str, int] = {}
-        self._passed: dict[str, float] = {}
+        self._launches: dict[str, int] = {}  # counted at the last step
         self.error: BaseException | None = None
 
     @property
@@ -230,10 +227,9 @@ class Dispatcher:
             native = self._scheduler.config.policy is Policy.NATIVE
             holder = frozenset((decision.holder,)) if decision.holder is not None else frozenset()
             driven = self._stamped & observed.keys() & self._scheduler.config.containers.keys()
-            self._grants.record(now / 1e9, EVERYONE if native else
-                                decision.open | late | holder | self._armed_work(
-                                    before, observed, now / 1e9), driven=driven,
-                                armed=frozenset() if native else decision.armed)
+            self._grants.record(now / 1e9, EVERYONE if native else decision.open | late | holder,
+                                driven=driven, armed=frozenset() if native else decision.armed,
+                                launched=self._launched(observed))
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed, decision.idle_watch)
@@ -261,21 +257,12 @@ class Dispatcher:
         with self._lock:
             self._audit_wanted[name] = (length, why)
 
-    def _armed_work(self, before: SliceDecision | None, observed: Mapping[str, Observation],
-                    now: float) -> frozenset[str]:
-        """Those whose armed gate let a launch through since the last step, for as
-        long as that work may run (SETTLE): an armed gate is no grant (a container
-        that never waits at its gate stays armed without ever being granted), but
-        what passed it runs whether the step after grants the container or closes
-        its gate (under the lock)."""
-        armed = before.armed if before is not None else frozenset()
-        for name in armed:
-            seen = observed.get(name)
-            if seen is not None and seen.launches != self._launches.get(name, seen.launches):
-                self._passed[name] = now + SETTLE
+    def _launched(self, observed: Mapping[str, Observation]) -> frozenset[str]:
+        """Those whose processes launched since the last step (under the lock)."""
+        launched = frozenset(name for name, seen in observed.items()
+                             if seen.launches != self._launches.get(name, seen.launches))
         self._launches = {name: seen.launches for name, seen in observed.items()}
-        self._passed = {name: until for name, until in self._passed.items() if until > now}
-        return frozenset(self._passed)
+        return launched
 
     def _audit(self, now: float, observed: Mapping[str, Observation]) -> None:
         """Bar one container that an audit was asked for, if it waits while another

@@ -153,15 +153,24 @@ class GrantLog:
         self._driven: dict[str, float] = {}
         self._armed: frozenset[str] = frozenset()  # by the last step,
         self._armed_at = start  # at this time
+        self._passed: dict[str, float] = {}  # work through an armed gate: runs until
 
     def record(self, now: float, may_run: Iterable[str] | None,
-               driven: Set[str] | None = None, armed: Iterable[str] = ()) -> None:
+               driven: Set[str] | None = None, armed: Iterable[str] = (),
+               launched: Iterable[str] = ()) -> None:
         """From `now` on, these may run (EVERYONE: all of them); `driven`: the
         containers whose gates the dispatcher drives now (None: as before);
-        `armed`: those whose gates it arms now. One armed at the last step that
-        may run now launched through its armed gate (or is granted on its
-        ring): it might have run since that step."""
+        `armed`: those whose gates it arms now; `launched`: those whose
+        processes launched since the last step. One armed at the last step
+        that launched may run for SETTLE, granted or not (what went through
+        runs whether this step grants it or closes its gate), and one armed
+        then that may run now might have run since that step."""
         who = None if may_run is EVERYONE else frozenset(may_run)
+        for name in self._armed.intersection(launched):
+            self._passed[name] = now + SETTLE
+        self._passed = {name: until for name, until in self._passed.items() if until > now}
+        if who is not EVERYONE:
+            who |= self._passed.keys()
         self.alive(now)
         if driven is not None and driven != self._driven.keys():
             self._driven = {name: self._driven.get(name, now) for name in driven}

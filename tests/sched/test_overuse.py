@@ -327,6 +327,26 @@ def test_an_armed_gate_counts_for_settle_at_most_before_the_step_that_saw_it() -
     assert math.isclose(history.allowed("b", 1.0, 1.8) or 0.0, SETTLE)
 
 
+def test_work_through_an_armed_gate_runs_for_settle_though_the_next_step_closes_it() -> None:
+    """`b`'s armed gate let a launch through; the step that sees it closes the gate
+    (`a` keeps the GPU): what went through runs anyway, so `b` may run from the
+    arming step until SETTLE after the step that saw it, and not after."""
+    log = driving("a", "b")
+    log.record(1.0, {"a"}, armed={"b"})
+    log.record(1.1, {"a"}, launched={"a", "b"})
+    log.record(1.2, {"a"}, launched={"a"})
+    log.record(1.1 + SETTLE + 0.05, {"a"})
+    log.record(2.0, {"a"})
+    history = log.history(2.0)
+    assert math.isclose(history.allowed("b", 0.9, 2.0) or 0.0, 0.1 + SETTLE + 0.05)
+    assert history.quiet("b", 1.0, 2.0) == [(1.1 + SETTLE + 0.05, 2.0)]
+    assert history.allowed("a", 1.0, 2.0) == 1.0
+    unarmed = driving("a", "b")
+    unarmed.record(1.0, {"a"})
+    unarmed.record(1.1, {"a"}, launched={"b"})  # a launch the gate did not arm: no grant
+    assert unarmed.history(2.0).allowed("b", 1.0, 2.0) == 0.0
+
+
 def test_a_thief_behind_a_gate_that_stays_armed_is_judged_a_step_later() -> None:
     """`b` never launches through its gate, so each step arms it again; a process of
     it runs beside the holder anyway. A sample past the last step waits for the
