@@ -16,6 +16,7 @@ kernels it completes: the shares. The plan is a pure function of the seed
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,7 +43,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = args.minutes * 60
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"soak: {seconds:g} s on {args.gpus} simulated GPUs, seed {args.seed}", flush=True)
-    _events, record = run_plan(args.seed, seconds, args.gpus, args.out)
+    # SIGTERM as Ctrl-C: the node is taken down (engines, mounts, containers) either way
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        _events, record = run_plan(args.seed, seconds, args.gpus, args.out)
+    except KeyboardInterrupt:
+        print("soak interrupted: the node is taken down, nothing measured", flush=True)
+        return 130
     summary = report.summarize(record)
     text = report.table(summary)
     print(text)

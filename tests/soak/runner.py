@@ -326,23 +326,28 @@ class Soak:
         pool = ThreadPoolExecutor(max_workers=6)
         pending: list[Future[None]] = []
         threads: list[threading.Thread] = []
-        for event in events:
-            delay = record.t0 + event.at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            if isinstance(event, Pair):
-                pending.append(pool.submit(self.pair, record, event,
-                                           ready if event is first else None))
-            elif isinstance(event, Start):
-                pending.append(pool.submit(self.churn, record, event))
-            elif isinstance(event, Write):
-                self.write(record, event)
-            elif isinstance(event, Fault):  # not in the pool: a fault is never late
-                thread = threading.Thread(target=self.fault, args=(record, event))
-                thread.start()
-                threads.append(thread)
-        end = record.t0 + seconds
-        time.sleep(max(0.0, end - time.monotonic()))
+        try:
+            for event in events:
+                delay = record.t0 + event.at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                if isinstance(event, Pair):
+                    pending.append(pool.submit(self.pair, record, event,
+                                               ready if event is first else None))
+                elif isinstance(event, Start):
+                    pending.append(pool.submit(self.churn, record, event))
+                elif isinstance(event, Write):
+                    self.write(record, event)
+                elif isinstance(event, Fault):  # not in the pool: a fault is never late
+                    thread = threading.Thread(target=self.fault, args=(record, event),
+                                              daemon=True)
+                    thread.start()
+                    threads.append(thread)
+            time.sleep(max(0.0, record.t0 + seconds - time.monotonic()))
+        except BaseException:  # interrupted: what is under way ends as close() stops it
+            self.stopping.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
         for future in pending:
             with contextlib.suppress(Exception):
                 future.result(timeout=180)
