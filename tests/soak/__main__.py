@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  error at {at:.0f} s: {line}")
     for line in summary.hook_errors[:20]:
         print(f"  hook error at a stop: {line}")
+    for w in sorted(summary.windows, key=lambda w: -abs(w.error))[:8]:
+        if not w.held:
+            print(f"  GPU {w.gpu} at {w.start:.1f} s, {w.seconds:.1f} s: {w.kernels[1]} / "
+                  f"{w.kernels[0]} kernels, {100 * w.error:+.1f}% off 1:{w.expected:g}")
     for line in report.write_outputs(record, summary, args.out):
         print(line)
     return 0

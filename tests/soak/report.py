@@ -244,6 +244,17 @@ def write_probes(record: Record, path: Path) -> None:
                              p.error])
 
 
+def write_windows(summary: Summary, path: Path) -> None:
+    """One row a steady window: where, how long, the policy's ratio and the counted one."""
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["gpu", "start", "seconds", "expected", "error", "first_kernels",
+                         "second_kernels"])
+        for w in sorted(summary.windows, key=lambda w: (w.gpu, w.start)):
+            writer.writerow([w.gpu, f"{w.start:.2f}", f"{w.seconds:.2f}", f"{w.expected:.4f}",
+                             f"{w.error:.4f}", *w.kernels])
+
+
 def fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.4f}"
 
@@ -306,12 +317,14 @@ def plot(record: Record, path: Path) -> str:
 
 
 def write_outputs(record: Record, summary: Summary, out: Path) -> list[str]:
-    """table.txt, soak.csv, probes.csv, daemon.log and soak.png under `out`; what was
-    written, one line each."""
+    """table.txt, soak.csv, probes.csv, windows.csv, daemon.log and soak.png under
+    `out`; what was written, one line each."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.txt").write_text(table(summary) + "\n")
     (out / "daemon.log").write_text(record.daemon_log)
     write_csv(record, out / "soak.csv")
     write_probes(record, out / "probes.csv")
-    return [f"table: {out / 'table.txt'}", f"csv: {out / 'soak.csv'}, {out / 'probes.csv'}",
+    write_windows(summary, out / "windows.csv")
+    return [f"table: {out / 'table.txt'}",
+            f"csv: {out / 'soak.csv'}, {out / 'probes.csv'}, {out / 'windows.csv'}",
             plot(record, out / "soak.png")]
