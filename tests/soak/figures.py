@@ -41,6 +41,16 @@ def fit_slope(points: Sequence[tuple[float, float, int]]) -> float | None:
     return top / bottom if bottom > 0 else None
 
 
+def peaks(points: Sequence[tuple[float, float, int]]) -> list[tuple[float, float]]:
+    """Each segment's (time, value) at its highest value, in time order: a figure that
+    a warm-up after each restart does not inflate, unlike a fit within segments."""
+    best: dict[int, tuple[float, float]] = {}
+    for t, y, segment in points:
+        if segment not in best or y > best[segment][1]:
+            best[segment] = (t, y)
+    return sorted(best.values())
+
+
 def segments(times: Sequence[float], boundaries: Sequence[float], warmup: float
              ) -> list[int | None]:
     """Each time's segment between `boundaries` (restarts), None within `warmup` s after

@@ -46,6 +46,8 @@ class Summary:
     rss_growth: float | None  # KiB per hour
     fds: tuple[int, int]
     fds_growth: float | None  # per hour
+    rss_peaks: list[tuple[float, float]]  # each daemon life's highest (hours, KiB)
+    fds_peaks: list[tuple[float, float]]
     windows: list[figures.Window]
     faults: dict[str, FaultFigures]
     leftovers: dict[str, list[str]]
@@ -150,6 +152,7 @@ def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
         rss_kib=(samples[0].rss_kib, samples[-1].rss_kib) if samples else (0, 0),
         rss_growth=figures.fit_slope(rss), fds=(samples[0].fds, samples[-1].fds)
         if samples else (0, 0), fds_growth=figures.fit_slope(fds), windows=windows,
+        rss_peaks=figures.peaks(rss), fds_peaks=figures.peaks(fds),
         faults=faults, leftovers=record.leftovers, errors=errors, warnings=warnings,
         hook_errors=record.hook_errors)
 
@@ -188,6 +191,8 @@ def table(s: Summary) -> str:
         ("daemon RSS growth", growth(s.rss_growth, "MiB", 1024), "fitted, least squares"),
         ("daemon fds first / last", f"{s.fds[0]} / {s.fds[1]}", ""),
         ("daemon fds growth", growth(s.fds_growth, "fds", 1), "fitted, least squares"),
+        ("daemon RSS peak of each life", lives(s.rss_peaks, "MiB", 1024), "no rise"),
+        ("daemon fds peak of each life", lives(s.fds_peaks, "fds", 1), "no rise"),
         ("steady windows within 5%", f"{s.windows_held} of {len(s.windows)} "
          f"(worst {100 * worst:.1f}%; {sum(w.seconds for w in s.windows):.0f} s)", "all"),
         ("the same, pooled by GPU and ratio", f"{sum(1 for e in pooled if abs(e) <= 0.05)} "
@@ -242,6 +247,17 @@ def write_probes(record: Record, path: Path) -> None:
             writer.writerow([p.number, p.engine, p.gpu, p.id12, fmt(p.started),
                              fmt(p.stopped), p.expected, p.total, p.over_refused, p.kernels,
                              p.error])
+
+
+def lives(peaks: Sequence[tuple[float, float]], unit: str, scale: float) -> str:
+    """First, highest and last of the peaks, and their slope across the lives."""
+    if not peaks:
+        return "-"
+    values = [y / scale for _, y in peaks]
+    slope = figures.fit_slope([(t, y, 0) for t, y in peaks])
+    fitted = f"; {slope / scale:+.2f} {unit}/h across them" if slope is not None else ""
+    return (f"{values[0]:.1f} / {max(values):.1f} / {values[-1]:.1f} {unit} "
+            f"({len(peaks)} lives){fitted}")
 
 
 def write_windows(summary: Summary, path: Path) -> None:

@@ -24,6 +24,16 @@ def test_the_slope_is_fitted_within_segments_with_their_own_intercepts() -> None
     assert figures.fit_slope([(1, 5, 0)]) is None
 
 
+def test_a_life_that_warms_up_to_the_same_peak_shows_no_rise_across_lives() -> None:
+    # Three daemons, each warming up from 40 to 48 (a fit within lives says +2 a second).
+    points = [(t, 40 + 2 * (t % 10 if t % 10 < 4 else 4), t // 10) for t in range(30)]
+    assert (figures.fit_slope(points) or 0.0) > 0
+    found = figures.peaks(points)
+    assert found == [(4, 48), (14, 48), (24, 48)]
+    assert figures.fit_slope([(t, y, 0) for t, y in found]) == pytest.approx(0.0)
+    assert figures.peaks([]) == []
+
+
 def test_segments_start_at_restarts_and_leave_out_their_warmup() -> None:
     assert figures.segments([1, 11, 21, 26, 40], [20], warmup=5) == [None, 0, None, 1, 1]
 
