@@ -238,15 +238,29 @@ def lines_until(process: subprocess.Popen[str], marker: str, count: int) -> list
 
 
 def interrupt(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """Ctrl-C, as a terminal sends it; the loop's output after it."""
     process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=10)
+    try:
+        out, err = process.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
     return out, err
+
+
+def interactive() -> None:
+    """In the child: SIGINT as an interactive shell leaves it. A job started in the
+    background of a script (`make test &`) inherits SIGINT ignored, and Python then
+    keeps it ignored: the loop would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_loop_repeats_until_interrupted(known_tree: Path, state: Path) -> None:
     process = subprocess.Popen(
         [CGPU_SMI, "--root", str(known_tree), "--state-dir", str(state), "-l", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=smi_env(state.parent),
+        preexec_fn=interactive,
     )
     lines_until(process, "cgpu-smi 0.1.0", 3)
     _, err = interrupt(process)
@@ -257,6 +271,7 @@ def test_json_loop_prints_one_document_per_line(known_tree: Path, state: Path) -
     process = subprocess.Popen(
         [CGPU_SMI, "--root", str(known_tree), "--state-dir", str(state), "--json", "-l", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=smi_env(state.parent),
+        preexec_fn=interactive,
     )
     first = lines_until(process, "\n", 2)
     out, _ = interrupt(process)
