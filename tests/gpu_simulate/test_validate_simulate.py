@@ -73,11 +73,14 @@ def test_simulated_validation_runs_every_section(tmp_path: Path) -> None:
     compute = out[out.index("### 2. Compute"):out.index("### 3. Overhead")]
     audits = [line for line in saved_log(tmp_path / "out", "logs/daemon.log").splitlines()
               if ": audited for " in line]
+    seen = "\n".join([compute, *audits])  # a message pytest prints whole
     for policy, target in ((2, 2.0), (1, 1.0)):
-        assert len(ratios[policy]) >= 4, (compute, audits)  # at most one window audited
-        assert set(ratios[policy]) <= {1, 16, 32, 64, 128}, compute
+        # Honest containers are audited now and then (an audit voids its window): at
+        # least three of the five windows are judged.
+        assert len(ratios[policy]) >= 3, f"policy {policy}: too few judged\n{seen}"
+        assert set(ratios[policy]) <= {1, 16, 32, 64, 128}, seen
         for batch, ratio in ratios[policy].items():
-            assert ratio == pytest.approx(target, rel=0.10), (policy, batch, compute, audits)
+            assert ratio == pytest.approx(target, rel=0.10), f"{policy} {batch}\n{seen}"
     # each latency row under no scheduler and policies 1, 2, 4, every request timed
     for row in ("one busy", "single 50 ms kernels"):
         for sched in ("none", "policy 1", "policy 2", "policy 4"):
