@@ -229,7 +229,7 @@ class Dispatcher:
             driven = self._stamped & observed.keys() & self._scheduler.config.containers.keys()
             self._grants.record(now / 1e9, EVERYONE if native else decision.open | late | holder,
                                 driven=driven, armed=frozenset() if native else decision.armed,
-                                launched=self._launched(observed))
+                                launched=self._launched(before, observed))
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed, decision.idle_watch)
@@ -257,10 +257,13 @@ class Dispatcher:
         with self._lock:
             self._audit_wanted[name] = (length, why)
 
-    def _launched(self, observed: Mapping[str, Observation]) -> frozenset[str]:
-        """Those whose processes launched since the last step (under the lock)."""
-        launched = frozenset(name for name, seen in observed.items()
-                             if seen.launches != self._launches.get(name, seen.launches))
+    def _launched(self, before: SliceDecision | None,
+                  observed: Mapping[str, Observation]) -> frozenset[str]:
+        """Those the last step armed whose processes launched since (the grant log
+        asks of no others; under the lock)."""
+        armed = before.armed if before is not None else frozenset()
+        launched = frozenset(name for name in armed if (seen := observed.get(name)) is not None
+                             and seen.launches != self._launches.get(name, seen.launches))
         self._launches = {name: seen.launches for name, seen in observed.items()}
         return launched
 

@@ -591,6 +591,12 @@ def gpu0_uuid() -> str:
         return os.environ.get("CUDA_VISIBLE_DEVICES", "0")
 
 
+def audited(results: dict[str, dict[str, Any]]) -> bool:
+    """Whether an audit of a worker fell in the phase (and no restart voided it)."""
+    return (not any(r.get("void") for r in results.values())
+            and any(r.get("audits") for r in results.values()))
+
+
 def ratio_row(batch: int, results: dict[str, dict[str, Any]], target: float | None
               ) -> tuple[list[str], float | None]:
     """A table row and the error against the target (None: no target, or void)."""
@@ -605,7 +611,7 @@ def ratio_row(batch: int, results: dict[str, dict[str, Any]], target: float | No
     shown = f"{error * 100:+.1f}%" if error is not None else "-"
     if slow.get("void") or fast.get("void"):
         error, shown = None, "void: daemon restarted"
-    elif slow.get("audits") or fast.get("audits"):
+    elif audited(results):
         error, shown = None, f"void: audited ({shown})"
     return ([str(batch), f"{a:.1f}", f"{b:.1f}", f"1:{ratio:.3f}",
              f"1:{target:g}" if target else "-", shown, one_to("daemon_seconds"),
@@ -647,14 +653,14 @@ def report_compute(cfg: Config, plan: list[Phase], results: Results) -> None:
         target = {2: 2.0, 1: 1.0}.get(policy)
         rows = []
         verdicts = []
-        audited = 0
+        void_by_audit = 0
         for phase, result in zip(plan, results, strict=False):
             if phase.policy != policy:
                 continue
             row, error = ratio_row(phase.batch, result, target)
             rows.append(row)
-            if target is not None and row[5].startswith("void: audited"):
-                audited += 1
+            if target is not None and audited(result):
+                void_by_audit += 1
             elif target is not None:
                 verdicts.append((error is not None and abs(error) <= TARGET,
                                  f"compute: policy {policy}, batch {phase.batch}: ratio "
@@ -669,9 +675,9 @@ def report_compute(cfg: Config, plan: list[Phase], results: Results) -> None:
         emit(cfg, table(header, rows))
         for passed, what in verdicts:
             check(cfg, passed, what)
-        if audited:  # not judged: a window an audit fell in (at most one in four)
-            check(cfg, 4 * audited <= len(rows), f"compute: policy {policy}: an audit fell "
-                  f"in {audited} of {len(rows)} windows, which are not judged")
+        if void_by_audit:  # not judged: a window an audit fell in (at most one in four)
+            check(cfg, 4 * void_by_audit <= len(rows), f"compute: policy {policy}: an audit "
+                  f"fell in {void_by_audit} of {len(rows)} windows, which are not judged")
 
 
 # -- 3. overhead ------------------------------------------------------------------
