@@ -114,9 +114,15 @@ class _Audited:
     samples stood against its grants before it."""
 
     passed_at: float
-    first: float  # when it was first seen to run
     pids: set[int] = field(default_factory=set)
-    floor: float | None = None  # the least its samples were of its grants since
+    # Its samples and grants, in seconds, in the spans up to `tallied_to`: those
+    # of the last `rise_window` one by one, and the sum of those before, back to
+    # its last audit. A sum, not the least of a series: the least only falls,
+    # and an honest container's use of its grants swings with its host's CPU.
+    tallied_to: float | None = None
+    recent: collections.deque[tuple[float, float, float, float]] = field(
+        default_factory=collections.deque)  # (from, to, used, allowed)
+    before: tuple[float, float] = (0.0, 0.0)  # (used, allowed)
     suspected: dict[int, float] = field(default_factory=dict)  # pid -> since when
     asked_at: float = -math.inf
 
@@ -125,13 +131,14 @@ class Judge:
     """Samples in, verdicts and audits wanted out; one per daemon, for every GPU."""
 
     def __init__(self, *, window: float = 2.0, tolerance: float = 1.5, slack: float = 0.05,
-                 excess_min: float = 0.02, rise: float = 1.25, audit_every: float = 300.0
-                 ) -> None:
+                 excess_min: float = 0.02, rise: float = 1.25, rise_window: float = 6.0,
+                 audit_every: float = 300.0) -> None:
         self.window = window
         self.tolerance = tolerance
         self.slack = slack
         self.excess_min = excess_min
         self.rise = rise
+        self.rise_window = rise_window
         self.audit_every = audit_every
         self._gpus: dict[int, _Gpu] = {}
         self._judged: set[tuple[Key, int]] = set()
@@ -266,13 +273,13 @@ class Judge:
         span long enough, covered by samples that came, and nothing judged."""
         audited = self._audited.get(key)
         if audited is None:
-            audited = self._audited[key] = _Audited(passed_at=now, first=now)
+            audited = self._audited[key] = _Audited(passed_at=now)
         if not state.spacings:
             return  # no period known yet: an audit would have to be a second long
         length = self.audit_length(gpu)
         arrived = now - self.periods(gpu)[1]
-        ratio = self._ratio(key, grants, state, arrived, audited)
-        why = self._why(key, state, begin, now, suspect, over, ratio, audited)
+        ratio, baseline = self._ratios(key, grants, state, arrived, audited)
+        why = self._why(key, state, begin, now, suspect, over, ratio, baseline, audited)
         if why is not None:  # a sign: did it pass an audit (or rest) since?
             since = max(audited.passed_at, begin - length)
             for start, stop in reversed(grants.quiet(key[1], since, arrived)):
@@ -280,11 +287,11 @@ class Judge:
                     audited.passed_at = stop
                     audited.pids = {s.pid for s in state.samples
                                     if s.key == key and s.end <= stop}
-                    audited.floor = None
-                    why = self._why(key, state, begin, now, suspect, over, ratio, audited)
+                    audited.recent.clear()
+                    audited.before = (0.0, 0.0)
+                    why = self._why(key, state, begin, now, suspect, over, ratio, None,
+                                    audited)
                     break
-        if ratio is not None:
-            audited.floor = ratio if audited.floor is None else min(audited.floor, ratio)
         # An audit asked for is under way, or not yet seen whole by the samples.
         waiting_for = length + 2 * self.periods(gpu)[1] + 0.5
         if why is not None and now - audited.asked_at > waiting_for:
@@ -293,7 +300,7 @@ class Judge:
 
     def _why(self, key: Key, state: _Gpu, begin: float, now: float,
              suspect: Callable[[int], bool], over: bool, ratio: float | None,
-             audited: _Audited) -> str | None:
+             baseline: float | None, audited: _Audited) -> str | None:
         """The sign that `key` wants an audit, if any (see the module's docstring)."""
         ran = {s.pid for s in state.samples if s.key == key and s.end > begin}
         # Suspects an audit has not seen, suspected for a while (a process that has
@@ -306,29 +313,46 @@ class Judge:
             return "over its grants, every process of it launching through the gate"
         if unseen:
             return f"pid {min(unseen)} ran on the GPU but launched nothing through the gate"
-        if ratio is not None and audited.floor is not None and audited.floor >= 0.1 and (
-                ratio > self.rise * audited.floor + 0.1):
-            return f"its samples rose from {audited.floor:.2f} to {ratio:.2f} of its grants"
+        if ratio is not None and baseline is not None and baseline >= 0.1 and (
+                ratio > self.rise * baseline + 0.1):
+            return f"its samples rose from {baseline:.2f} to {ratio:.2f} of its grants"
         if ratio is not None and now - audited.passed_at > self.audit_every:
             return f"none for {self.audit_every:g} s"
         return None
 
-    def _ratio(self, key: Key, grants: GrantHistory, state: _Gpu, arrived: float,
-               audited: _Audited) -> float | None:
-        """A busy container's samples against its grants over the window that ends
-        where every sample has come; None unless it ran the whole window and was
-        granted a fifth of it."""
-        begin = arrived - self.window
-        if audited.first > begin:
-            return None
-        longest = self.periods(key[0])[1]
-        allowed = grants.allowed(key[1], begin - longest, arrived)
-        if allowed is None or allowed < 0.2 * self.window:
-            return None
-        period = self.periods(key[0])[0]
-        used = sum(s.percent / 100 * period for s in state.samples
-                   if s.key == key and begin < s.end <= arrived)
-        return used / allowed
+    def _ratios(self, key: Key, grants: GrantHistory, state: _Gpu, arrived: float,
+                audited: _Audited) -> tuple[float | None, float | None]:
+        """A busy container's samples against its grants over the last `rise_window`
+        that ends where every sample has come, and over the time from its last
+        audit until then; each None unless it was granted a fifth of a window
+        (the first also unless its spans cover the whole window). A blind span,
+        or a gap longer than the samples kept, starts both over."""
+        since, audited.tallied_to = audited.tallied_to, arrived
+        if since is not None and since < arrived:
+            allowed = (grants.allowed(key[1], since, arrived)
+                       if arrived - since <= self.window else None)
+            if allowed is None:
+                audited.recent.clear()
+                audited.before = (0.0, 0.0)
+            else:
+                period = self.periods(key[0])[0]
+                used = sum(s.percent / 100 * period for s in state.samples
+                           if s.key == key and since < s.end <= arrived)
+                audited.recent.append((since, arrived, used, allowed))
+        while audited.recent and audited.recent[0][1] <= arrived - self.rise_window:
+            _since, _to, used, allowed = audited.recent.popleft()
+            audited.before = (audited.before[0] + used, audited.before[1] + allowed)
+        least = 0.2 * self.rise_window
+        recent_used = sum(span[2] for span in audited.recent)
+        recent_allowed = sum(span[3] for span in audited.recent)
+        ratio = None
+        if (audited.recent and audited.recent[0][0] <= arrived - self.rise_window
+                and recent_allowed >= least):
+            ratio = recent_used / recent_allowed
+        baseline = None
+        if audited.before[1] >= least:
+            baseline = audited.before[0] / audited.before[1]
+        return ratio, baseline
 
     @staticmethod
     def _suspect(key: Key, begin: float, launched_at: Mapping[tuple[Key, int], float | None],

@@ -9,6 +9,7 @@ period in which it did not run.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -179,6 +180,59 @@ def test_a_thief_that_reads_low_beside_busy_grants_is_judged_by_an_audit() -> No
     honest = samples_of(history, A, 10, 8.0, run=1.0, bias=1.4, phase=0.03)
     verdicts = judged(Judge(), history, thief + honest, 8.0, {(A, 10): 7.9, (A, 11): 7.9})
     assert verdicts == [(A, (11,), True)]
+
+
+def audits_asked(judge: Judge, history: GrantHistory, samples: list[Sample], until: float,
+                 launched_at: Mapping[tuple[tuple[int, str], int], float | None]
+                 ) -> list[tuple[float, str]]:
+    """When a check every quarter second asked for an audit of `a`, and why."""
+    asked = []
+    pending = sorted(samples, key=lambda s: s.end)
+    now = 0.25
+    while now <= until:
+        judge.add(GPU, [s for s in pending if now - 0.25 < s.end <= now])
+        assert judge.judge(GPU, now, history, launched_at) == []
+        if A in (wanted := judge.audits_wanted(GPU)):
+            asked.append((now, wanted[A]))
+        now += 0.25
+    return asked
+
+
+def test_an_honest_container_whose_use_of_its_grants_swings_is_not_audited() -> None:
+    """`a`'s one process uses all of its turns for 2 s, then 0.35 of them for 2 s (its
+    host's CPU taken), and so on for a minute. Its 2 s figures swing from 0.25 to 0.7
+    of its grants: asked against the least since its last audit, as the check once
+    did, that is a rise; over 6 s against its whole past, it is none."""
+    log = driving("a", "b")
+    alternating(log, 60.0, {"a": 0.02, "b": 0.02})
+    history = log.history(60.0)
+    samples = samples_of(history, B, 20, 60.0, run=1.0, bias=1.0, phase=0.11)
+    for start in range(0, 60, 2):
+        samples += samples_of(history, A, 10, start + 2.0, run=1.0 if start % 4 else 0.35,
+                              bias=0.7, phase=0.05, start=float(start))
+    launched = {(A, 10): 59.9, (B, 20): 59.9}
+    assert audits_asked(Judge(), history, samples, 60.0, launched) == []
+
+
+def test_a_thief_that_forges_its_launches_is_audited_when_its_samples_rise() -> None:
+    """From 20 s a second process of `a`, its launch count forged, runs in half of `b`'s
+    turns. Both read at 0.7: `a` reads 0.7 * 0.75 of the GPU against grants of 0.5,
+    which the first rule allows, and no process looks like it skipped the gate; its
+    samples rose from 0.7 to 1.05 of its grants, and that asks for the audit."""
+    log = driving("a", "b")
+    alternating(log, 40.0, {"a": 0.02, "b": 0.02})
+    history = log.history(40.0)
+    samples = (samples_of(history, A, 10, 40.0, run=1.0, bias=0.7, phase=0.05)
+               + samples_of(history, A, 11, 40.0, run=0.0, beside=0.5, bias=0.7, phase=0.09,
+                            start=20.0)
+               + samples_of(history, B, 20, 40.0, run=1.0, bias=1.0, phase=0.11))
+    launched = {(A, 10): 39.9, (A, 11): 39.9, (B, 20): 39.9}
+    asked = audits_asked(Judge(), history, samples, 40.0, launched)
+    assert asked, "no audit asked for"
+    at, why = asked[0]
+    print(f"asked at {at} s: {why}")
+    assert 20.0 < at <= 20.0 + 6.0 + 1.0  # within the rise window and a period after
+    assert why.startswith("its samples rose from 0.69")
 
 
 def test_audits_are_asked_for_a_process_that_skips_the_gate_and_once_passed_not_again(
