@@ -278,8 +278,9 @@ class Judge:
             return  # no period known yet: an audit would have to be a second long
         length = self.audit_length(gpu)
         arrived = now - self.periods(gpu)[1]
-        ratio, baseline = self._ratios(key, grants, state, arrived, audited)
-        why = self._why(key, state, begin, now, suspect, over, ratio, baseline, audited)
+        ratio, baseline, busy = self._ratios(key, grants, state, arrived, audited)
+        why = self._why(key, state, begin, now, suspect, over, ratio, baseline, busy,
+                        audited)
         if why is not None:  # a sign: did it pass an audit (or rest) since?
             since = max(audited.passed_at, begin - length)
             for start, stop in reversed(grants.quiet(key[1], since, arrived)):
@@ -290,7 +291,7 @@ class Judge:
                     audited.recent.clear()
                     audited.before = (0.0, 0.0)
                     why = self._why(key, state, begin, now, suspect, over, ratio, None,
-                                    audited)
+                                    busy, audited)
                     break
         # An audit asked for is under way, or not yet seen whole by the samples.
         waiting_for = length + 2 * self.periods(gpu)[1] + 0.5
@@ -300,7 +301,7 @@ class Judge:
 
     def _why(self, key: Key, state: _Gpu, begin: float, now: float,
              suspect: Callable[[int], bool], over: bool, ratio: float | None,
-             baseline: float | None, audited: _Audited) -> str | None:
+             baseline: float | None, busy: bool, audited: _Audited) -> str | None:
         """The sign that `key` wants an audit, if any (see the module's docstring)."""
         ran = {s.pid for s in state.samples if s.key == key and s.end > begin}
         # Suspects an audit has not seen, suspected for a while (a process that has
@@ -316,17 +317,18 @@ class Judge:
         if ratio is not None and baseline is not None and baseline >= 0.1 and (
                 ratio > self.rise * baseline + 0.1):
             return f"its samples rose from {baseline:.2f} to {ratio:.2f} of its grants"
-        if ratio is not None and now - audited.passed_at > self.audit_every:
+        if busy and now - audited.passed_at > self.audit_every:
             return f"none for {self.audit_every:g} s"
         return None
 
     def _ratios(self, key: Key, grants: GrantHistory, state: _Gpu, arrived: float,
-                audited: _Audited) -> tuple[float | None, float | None]:
+                audited: _Audited) -> tuple[float | None, float | None, bool]:
         """A busy container's samples against its grants over the last `rise_window`
         that ends where every sample has come, and over the time from its last
-        audit until then; each None unless it was granted a fifth of a window
-        (the first also unless its spans cover the whole window). A blind span,
-        or a gap longer than the samples kept, starts both over."""
+        audit until then (each None unless it was granted a fifth of its span,
+        the first also unless its spans cover it whole); and whether it is busy:
+        known the whole last `window` and granted a fifth of it. A blind span, or
+        a gap longer than the samples kept, starts them over."""
         since, audited.tallied_to = audited.tallied_to, arrived
         if since is not None and since < arrived:
             allowed = (grants.allowed(key[1], since, arrived)
@@ -342,17 +344,22 @@ class Judge:
         while audited.recent and audited.recent[0][1] <= arrived - self.rise_window:
             _since, _to, used, allowed = audited.recent.popleft()
             audited.before = (audited.before[0] + used, audited.before[1] + allowed)
-        least = 0.2 * self.rise_window
-        recent_used = sum(span[2] for span in audited.recent)
-        recent_allowed = sum(span[3] for span in audited.recent)
+
+        def over(seconds: float) -> tuple[float, float] | None:
+            """Samples and grants over the last `seconds`, if the spans cover them."""
+            if not audited.recent or audited.recent[0][0] > arrived - seconds:
+                return None
+            spans = [span for span in audited.recent if span[1] > arrived - seconds]
+            return sum(span[2] for span in spans), sum(span[3] for span in spans)
+
+        rise, last = over(self.rise_window), over(self.window)
         ratio = None
-        if (audited.recent and audited.recent[0][0] <= arrived - self.rise_window
-                and recent_allowed >= least):
-            ratio = recent_used / recent_allowed
+        if rise is not None and rise[1] >= 0.2 * self.rise_window:
+            ratio = rise[0] / rise[1]
         baseline = None
-        if audited.before[1] >= least:
+        if audited.before[1] >= 0.2 * self.rise_window:
             baseline = audited.before[0] / audited.before[1]
-        return ratio, baseline
+        return ratio, baseline, last is not None and last[1] >= 0.2 * self.window
 
     @staticmethod
     def _suspect(key: Key, begin: float, launched_at: Mapping[tuple[Key, int], float | None],

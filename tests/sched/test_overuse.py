@@ -235,6 +235,21 @@ def test_a_thief_that_forges_its_launches_is_audited_when_its_samples_rise() -> 
     assert why.startswith("its samples rose from 0.69")
 
 
+def test_a_busy_container_is_audited_every_audit_every_seconds_without_a_sign() -> None:
+    """No sign at all: an honest pair at 1:1. With `audit_every` of 3 s, `a` is asked
+    for once it has been busy that long, whatever the rise's longer window knows."""
+    log = driving("a", "b")
+    alternating(log, 5.0, {"a": 0.02, "b": 0.02})
+    history = log.history(5.0)
+    samples = (samples_of(history, A, 10, 5.0, run=1.0, bias=1.0, phase=0.05)
+               + samples_of(history, B, 20, 5.0, run=1.0, bias=1.0, phase=0.11))
+    launched = {(A, 10): 4.9, (B, 20): 4.9}
+    asked = audits_asked(Judge(audit_every=3.0), history, samples, 5.0, launched)
+    assert asked, "no audit asked for"
+    assert asked[0][1] == "none for 3 s"
+    assert 3.0 < asked[0][0] <= 4.0
+
+
 def test_audits_are_asked_for_a_process_that_skips_the_gate_and_once_passed_not_again(
         ) -> None:
     """Honest processes that launch through the gate are never audited for it; one
