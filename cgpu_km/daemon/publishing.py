@@ -170,6 +170,9 @@ class Publisher:
                 dispatch_wakes=dispatched.wakes if dispatched else 0,
                 dispatch_steps=dispatched.steps if dispatched else 0,
                 switches=dispatched.switches if dispatched else 0,
+                dispatch_late_wakes=dispatched.late[0] if dispatched else 0,
+                dispatch_late_seconds=dispatched.late[1] if dispatched else 0.0,
+                dispatch_late_max_seconds=dispatched.late[2] if dispatched else 0.0,
             ))
             for name in sorted(nodes.containers):
                 key = (index, name)

@@ -95,6 +95,10 @@ class GpuFigures:
     dispatch_wakes: int = 0
     dispatch_steps: int = 0
     switches: int = 0
+    # its wake-ups at a deadline, and how late they ran: summed and the most (s)
+    dispatch_late_wakes: int = 0
+    dispatch_late_seconds: float = 0.0
+    dispatch_late_max_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

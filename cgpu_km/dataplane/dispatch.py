@@ -116,6 +116,10 @@ class Figures:
     # The last new configuration: the steps taken when `configure` was handed it,
     # and the step that first ran with it.
     configured: tuple[int, int] = (0, 0)
+    # How late its thread ran after the deadlines it slept to: (wake-ups at a
+    # deadline, their lateness summed, the most), seconds. What a loaded host or
+    # the interpreter's lock costs every step that rings cannot show.
+    late: tuple[int, float, float] = (0, 0.0, 0.0)
 
 
 def queue_budget(decision: SliceDecision, observed: Mapping[str, Observation],
@@ -157,6 +161,7 @@ class Dispatcher:
         # gate fails open until then) and the scheduler configured with them.
         self._stamped: frozenset[str] = frozenset()
         self._launches: dict[str, int] = {}  # counted at the last step
+        self._late = (0, 0.0, 0.0)  # Figures.late
         self.error: BaseException | None = None
 
     @property
@@ -188,7 +193,8 @@ class Dispatcher:
                            holder=decision.holder if decision else None,
                            steps=self._steps, last_step=self._last_step,
                            wakes=self._wakes, switches=self._switches,
-                           audits=dict(self._audits), configured=self._applied)
+                           audits=dict(self._audits), configured=self._applied,
+                           late=self._late)
 
     def grants(self) -> GrantHistory:
         """Who might have run on the GPU when, as far as the dispatcher knows."""
@@ -335,6 +341,9 @@ class Dispatcher:
                 ringer = self.port.wait(math.ceil(deadline), quiet, decision.holder,
                                         answers_of)
                 self._wakes += 1  # a plain count: figures() may read it a wake late
+                if ringer is None and (late_ns := self.clock() - deadline) >= 0:
+                    count, total, most = self._late
+                    self._late = (count + 1, total + late_ns / 1e9, max(most, late_ns / 1e9))
                 if draining and ringer is not None and ringer == decision.holder:
                     drain_wakes += 1
         except BaseException as error:  # logged; the daemon's watchdog notices the silence

@@ -112,6 +112,14 @@ class Engine:
         return measure(self.host, workloads, self.seconds if seconds is None else seconds,
                        suffix=f"-{self.runs}")
 
+    def lateness(self) -> tuple[int, float, float]:
+        """GPU 0's dispatcher so far: wake-ups at a deadline, seconds late in all, most."""
+        snapshot = read_snapshot(self.host.state_dir / "snapshot.json")
+        gpu = next((g for g in snapshot.gpus if g.index == 0), None) if snapshot else None
+        if gpu is None:
+            return (0, 0.0, 0.0)
+        return gpu.dispatch_late_wakes, gpu.dispatch_late_seconds, gpu.dispatch_late_max_seconds
+
     def solo_rate(self, us: int) -> float:
         if us not in self.solo:
             got = self.run(2, [work("solo", us, weight=1)])
@@ -135,8 +143,10 @@ def print_stops(host: SimHost, what: str) -> None:
     log = host.daemon_log()
     judged = log.count("of GPU time in the last")
     stopped = log.count(": stopping it") + log.count(": reported only")
+    audited = log.count(": audited for ")
     print(f"{what}: the daemon judged {judged} processes for GPU time, stopped {stopped} "
-          f"in all (target: 0) {verdict(judged == 0 and stopped == 0)}\n")
+          f"in all (target: 0) {verdict(judged == 0 and stopped == 0)}; audited {audited} "
+          f"honest containers (quiet spans; target: 0) {verdict(audited == 0)}\n")
 
 
 def print_head(columns: str) -> None:

@@ -59,6 +59,16 @@ class Engine(Protocol):
     def pair(self, policy: int, us: int, procs: int, weights: tuple[int, int],
              target: float) -> Summary: ...
 
+    def lateness(self) -> tuple[int, float, float]: ...
+
+
+def late_text(before: tuple[int, float, float], after: tuple[int, float, float]) -> str:
+    """How late the dispatcher woke for its deadlines between two readings: mean, and
+    the most over the whole run so far (ms)."""
+    wakes, seconds = after[0] - before[0], after[1] - before[1]
+    mean = 1e3 * seconds / wakes if wakes else 0.0
+    return f"{mean:5.2f} {1e3 * after[2]:6.1f}"
+
 
 def cores() -> int:
     return os.cpu_count() or 1
@@ -102,14 +112,16 @@ def share_rows(engine: Engine, kernels: Sequence[int], loads: Sequence[int]) -> 
           f"{cores()} cores. Targets: steady within {100 * SHARE_TARGET:g}%, GPU at least "
           f"{100 * BUSY_TARGET:g}% busy")
     head = (f"{'load':<20} {'kernel':>8} | {'ctr1 k/s':>9} {'ctr2 k/s':>9} | {'whole':>7} "
-            f"{'steady':>7} | {'GPU busy':>8}")
+            f"{'steady':>7} | {'GPU busy':>8} | late ms: mean, most so far")
     print(head)
     print("-" * len(head))
     worst_error, least_busy = 0.0, 1.0
     for per_core in loads:
         for us in kernels:
+            before = engine.lateness()
             with cpu_load(per_core):
                 s = engine.pair(2, us, 1, (1, 2), 2.0)
+            late = late_text(before, engine.lateness())
             busy = busy_fraction(sum(s.steady), us, s.seconds - STEADY_AFTER)
             r1, r2 = s.rates()
             ok = abs(s.steady_error) <= SHARE_TARGET and busy >= BUSY_TARGET
@@ -118,7 +130,7 @@ def share_rows(engine: Engine, kernels: Sequence[int], loads: Sequence[int]) -> 
                 least_busy = min(least_busy, busy)
             print(f"{load_label(per_core):<20} {label(us):>8} | {r1:>9.0f} {r2:>9.0f} | "
                   f"{100 * s.whole_error:>+6.2f}% {100 * s.steady_error:>+6.2f}% | "
-                  f"{100 * busy:>7.1f}% {verdict(ok)}", flush=True)
+                  f"{100 * busy:>7.1f}% {verdict(ok):<6} | {late}", flush=True)
     print(f"loaded: worst steady error {100 * worst_error:.2f}% (target: within "
           f"{100 * SHARE_TARGET:g}%) {verdict(worst_error <= SHARE_TARGET)}; least GPU busy "
           f"{100 * least_busy:.1f}% (target: at least {100 * BUSY_TARGET:g}%) "
@@ -135,6 +147,7 @@ def latency_rows(engine: Engine, names: Sequence[str], loads: Sequence[int]) -> 
         print(latency.HEAD)
         print("-" * len(latency.HEAD))
         worst = 0.0
+        before = engine.lateness()
         for row in rows:
             with cpu_load(per_core):
                 got = {column: latency.result(row, engine.run(policy, row.workloads()),
@@ -146,5 +159,6 @@ def latency_rows(engine: Engine, names: Sequence[str], loads: Sequence[int]) -> 
                     worst = max(worst, latency.ratio(got[column].p99, got["none"].p99))
         print(f"{load_label(per_core)}: worst p99 against none under policies 1, 2, 4: "
               f"{worst:.2f}x (target: at most {latency.P99_TARGET:g}x) "
-              f"{verdict(worst <= latency.P99_TARGET)}")
+              f"{verdict(worst <= latency.P99_TARGET)}; the dispatcher woke for its "
+              f"deadlines late by (ms, mean, most so far) {late_text(before, engine.lateness())}")
     print()

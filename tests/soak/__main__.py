@@ -67,8 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  hook error at a stop: {line}")
     for w in sorted(summary.windows, key=lambda w: -abs(w.error))[:8]:
         if not w.held:
+            late = "" if w.late_ms is None else f", dispatcher late {w.late_ms:.2f} ms"
             print(f"  GPU {w.gpu} at {w.start:.1f} s, {w.seconds:.1f} s: {w.kernels[1]} / "
-                  f"{w.kernels[0]} kernels, {100 * w.error:+.1f}% off 1:{w.expected:g}")
+                  f"{w.kernels[0]} kernels, {100 * w.error:+.1f}% off 1:{w.expected:g}; "
+                  f"{w.audits} audits{late}")
     for line in report.write_outputs(record, summary, args.out):
         print(line)
     return 0

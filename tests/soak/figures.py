@@ -96,6 +96,8 @@ class Window:
     expected: float
     error: float
     kernels: tuple[int, int] = (0, 0)  # the first workload's, the second's
+    audits: int = 0  # audits the daemon logged on the GPU in or about the window
+    late_ms: float | None = None  # how late its dispatcher woke for deadlines, mean
 
     @property
     def held(self) -> bool:
@@ -216,3 +218,26 @@ def unexplained_errors(lines: Sequence[tuple[float, str]],
         if not explained:
             found.append((at, line))
     return found
+
+
+def mean_lateness(samples: Sequence[tuple[float, int, int, float]], start: float, end: float
+                  ) -> float | None:
+    """The mean lateness (ms) of a dispatcher's deadline wake-ups in [start, end], from
+    samples (time, daemon pid, wake-ups so far, seconds late so far) of one GPU: the
+    counters' growth between the last sample at or before `start` and the first at or
+    after `end`, of one daemon; None where they do not bracket the span."""
+    before = [s for s in samples if s[0] <= start]
+    after = [s for s in samples if s[0] >= end]
+    if not before or not after or before[-1][1] != after[0][1]:
+        return None
+    wakes = after[0][2] - before[-1][2]
+    return 1e3 * (after[0][3] - before[-1][3]) / wakes if wakes > 0 else None
+
+
+AUDITED = re.compile(r": container \S+ on GPU (\d+): audited for ")
+
+
+def audits(lines: Sequence[tuple[float, str]], gpu: int, start: float, end: float) -> int:
+    """Audits logged on `gpu` (timed lines) within a second of [start, end]."""
+    return sum(1 for at, line in lines if start - 1 <= at <= end + 1
+               and (found := AUDITED.search(line)) is not None and int(found[1]) == gpu)

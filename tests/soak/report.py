@@ -6,7 +6,7 @@ import csv
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tests.soak import figures
@@ -110,6 +110,8 @@ def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
            if m is not None]
     fds = [(s.at / 3600, float(s.fds), m) for s, m in zip(samples, marks, strict=True)
            if m is not None]
+    lines = figures.timed_lines(record.daemon_log, [(s.at, s.log_bytes)
+                                                    for s in record.samples])
     windows: list[figures.Window] = []
     for run in record.pairs:
         if run.first is None or run.second is None:
@@ -139,8 +141,7 @@ def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
             backs.append(back)
         if backs:
             got.recovered.append(median_or_never(backs))
-    lines = figures.timed_lines(record.daemon_log, [(s.at, s.log_bytes)
-                                                    for s in record.samples])
+    windows = [explained(w, record, lines) for w in windows]
     errors = figures.unexplained_errors(lines, [(f.kind, f.at) for f in record.faults])
     warnings = sum(1 for _, line in lines if line.startswith("cgpu-daemon: WARNING: "))
     applied = [w for w, error in record.writes if not error]
@@ -155,6 +156,17 @@ def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
         rss_peaks=figures.peaks(rss), fds_peaks=figures.peaks(fds),
         faults=faults, leftovers=record.leftovers, errors=errors, warnings=warnings,
         hook_errors=record.hook_errors)
+
+
+def explained(window: figures.Window, record: Record, lines: Sequence[tuple[float, str]]
+              ) -> figures.Window:
+    """The window with what may explain a miss: the audits on its GPU, and how late its
+    dispatcher woke."""
+    end = window.start + window.seconds
+    samples = [(s.at, s.daemon_pid, *s.late[window.gpu]) for s in record.samples
+               if window.gpu in s.late]
+    return replace(window, audits=figures.audits(lines, window.gpu, window.start, end),
+                   late_ms=figures.mean_lateness(samples, window.start, end))
 
 
 def median_or_never(values: Sequence[float | None]) -> float | None:
@@ -265,10 +277,10 @@ def write_windows(summary: Summary, path: Path) -> None:
     with path.open("w", newline="") as out:
         writer = csv.writer(out)
         writer.writerow(["gpu", "start", "seconds", "expected", "error", "first_kernels",
-                         "second_kernels"])
+                         "second_kernels", "audits", "late_ms"])
         for w in sorted(summary.windows, key=lambda w: (w.gpu, w.start)):
             writer.writerow([w.gpu, f"{w.start:.2f}", f"{w.seconds:.2f}", f"{w.expected:.4f}",
-                             f"{w.error:.4f}", *w.kernels])
+                             f"{w.error:.4f}", *w.kernels, w.audits, fmt(w.late_ms)])
 
 
 def fmt(value: float | None) -> str:

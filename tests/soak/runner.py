@@ -28,6 +28,7 @@ from pathlib import Path
 
 from cgpu_km.container.oci.settings import CONFIG_ENV, Settings, render_settings
 from cgpu_km.container.oci.spec import HookCall, SimGpu
+from cgpu_km.daemon.snapshot import read_snapshot
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.demo.dockerd import PrivateDocker
 from cgpu_km.demo.image import build_rootfs, rootfs_tar
@@ -93,6 +94,8 @@ class Sample:
     log_bytes: int
     registered: int
     regions: int
+    # each GPU's dispatcher so far (the snapshot's): wake-ups at a deadline, seconds late
+    late: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -381,9 +384,12 @@ class Soak:
             with contextlib.suppress(OSError):
                 registered = sum(len(g.containers) for g in treefs.read_tree(self.tree_root).gpus)
             regions = len(os.listdir(sim.region_dir)) if sim.region_dir.is_dir() else 0
+            snapshot = read_snapshot(sim.state_dir / "snapshot.json") if pid else None
+            late = {g.index: (g.dispatch_late_wakes, g.dispatch_late_seconds)
+                    for g in snapshot.gpus} if snapshot is not None and snapshot.pid == pid else {}
             record.samples.append(Sample(self.now(record), pid, rss, fds,
                                          log.stat().st_size if log.exists() else 0,
-                                         registered, regions))
+                                         registered, regions, late))
 
     # -- pairs --
 

@@ -95,3 +95,21 @@ def test_error_lines_are_explained_only_by_a_fault_of_their_kind_soon_before() -
              (11.0, "cgpu-daemon: ERROR: something else")]
     faults = [("fuse-kill", 9.5), ("daemon-kill", 45.0)]
     assert figures.unexplained_errors(lines, faults) == [lines[2], lines[3]]
+
+
+def test_mean_lateness_is_the_counters_growth_across_the_span_of_one_daemon() -> None:
+    samples = [(1.0, 7, 100, 0.1), (2.0, 7, 150, 0.2), (3.0, 7, 250, 0.5), (4.0, 9, 10, 0.0)]
+    assert figures.mean_lateness(samples, 1.5, 2.5) == pytest.approx(1e3 * 0.4 / 150)
+    assert figures.mean_lateness(samples, 2.0, 3.0) == pytest.approx(1e3 * 0.3 / 100)
+    assert figures.mean_lateness(samples, 2.5, 3.5) is None  # a restart in between
+    assert figures.mean_lateness(samples, 0.5, 2.0) is None  # nothing before the start
+
+
+def test_audits_count_the_gpus_own_lines_near_the_window() -> None:
+    line = "cgpu-daemon: INFO: container {} on GPU {}: audited for 0.42 s (its samples rose)"
+    lines = [(10.0, line.format("c1", 3)), (10.0, line.format("c2", 4)),
+             (20.0, line.format("c3", 3)), (12.0, "cgpu-daemon: INFO: GPU 3: audited for")]
+    assert figures.audits(lines, 3, 11.0, 15.0) == 1
+    assert figures.audits(lines, 3, 5.0, 25.0) == 2
+    assert figures.audits(lines, 4, 5.0, 25.0) == 1
+    assert figures.audits(lines, 5, 5.0, 25.0) == 0
