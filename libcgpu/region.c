@@ -729,6 +729,17 @@ void cgpu_armed_ring(int g)
 
 #define GATE_MAX_SLEEP_NS 100000000ull /* re-check at least every 100 ms */
 
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "gate_changes_word: the futex word is the low half of gate_changes"
+#endif
+
+/* The futex word a gate's waiters sleep on: the low 32 bits of gate_changes,
+ * which the daemon bumps at every change of the gate and wakes. */
+static const uint32_t *gate_changes_word(const struct cgpu_control *r, int g)
+{
+    return (const uint32_t *)&r->gpu[g].gate_changes;
+}
+
 enum cgpu_pass cgpu_gate_wait(int g)
 {
     const struct cgpu_control *r = cgpu_region_ptr;
@@ -739,6 +750,11 @@ enum cgpu_pass cgpu_gate_wait(int g)
     int counted = 0;
     enum cgpu_pass pass = CGPU_PASS_OPENED;
     for (;;) {
+        /* The count of changes is read before the gate and is the word slept on:
+         * a gate that opened and closed again between the gate's load and the
+         * sleep (the same value, so a sleep on the gate would miss that grant)
+         * changed the count, and the sleep returns at once. */
+        uint32_t changes = __atomic_load_n(gate_changes_word(r, g), __ATOMIC_ACQUIRE);
         uint32_t closed = __atomic_load_n(gate, __ATOMIC_ACQUIRE);
         if (closed == CGPU_GATE_OPEN)
             break;
@@ -773,7 +789,7 @@ enum cgpu_pass cgpu_gate_wait(int g)
                 cgpu_ring(g);
             counted = 1;
         }
-        futex_wait(gate, closed, wait);
+        futex_wait(gate_changes_word(r, g), changes, wait);
     }
     if (counted) {
         __atomic_fetch_sub(&me->gpu[g].pending, 1, __ATOMIC_RELAXED);

@@ -94,6 +94,10 @@ class GpuEntry(ctypes.Structure):
     )
 
 
+# libcgpu's gate waiters sleep on the low half of gate_changes (little-endian).
+GATE_CHANGES_FROM_GATE = GpuEntry.gate_changes.offset - GpuEntry.gate.offset
+
+
 class SeenEntry(ctypes.Structure):
     _fields_ = (
         ("pidns", ctypes.c_uint64),
@@ -618,6 +622,9 @@ class Region:
         if value != GATE_CLOSED:
             if is_open:
                 entry.grant_ns = now_ns or time.monotonic_ns()
+            # libcgpu sleeps on the count's low half (a gate that opened and closed
+            # again is no lost grant); on the gate itself before that change.
+            futex_wake_all(self._gate_address(k) + GATE_CHANGES_FROM_GATE)
             futex_wake_all(self._gate_address(k))
         if not is_open:
             entry.grant_ns = 0

@@ -136,11 +136,22 @@ def test_unknown_gpu_and_bad_values(tmp_path: Path) -> None:
         assert r.limit(0) == 1 << 30
 
 
-def test_a_grant_wakes_a_futex_waiter(tmp_path: Path) -> None:
-    """set_gate(open) wakes a thread blocked in FUTEX_WAIT on the gate word."""
+@pytest.mark.parametrize("word", ["gate", "changes"])
+def test_a_grant_wakes_a_futex_waiter(tmp_path: Path, word: str) -> None:
+    """set_gate(open) wakes a thread blocked in FUTEX_WAIT on the gate word (as
+    libcgpu slept before), or on the low half of its count of changes (as it
+    sleeps now: a gate that opened and closed again changed the count, so no
+    grant is lost between a waiter's look at the gate and its sleep)."""
     with make(tmp_path) as r:
         assert not r.gate_is_open(1)
+        r.set_gate(1, True)
+        r.set_gate(1, False)  # the count is past zero: the waiter must read it
         address = r._gate_address(1)
+        expected = region_mod.GATE_CLOSED
+        if word == "changes":
+            address += region_mod.GATE_CHANGES_FROM_GATE
+            expected = ctypes.c_uint32.from_address(address).value
+            assert expected == 2
         libc = ctypes.CDLL(None, use_errno=True)
         tids: list[int] = []
         woke: list[tuple[float, int]] = []
@@ -149,7 +160,7 @@ def test_a_grant_wakes_a_futex_waiter(tmp_path: Path) -> None:
             tids.append(threading.get_native_id())
             timeout = (ctypes.c_long * 2)(10, 0)
             rc = libc.syscall(ctypes.c_long(region_mod._SYS_FUTEX), ctypes.c_void_p(address),
-                              ctypes.c_int(0), ctypes.c_int(region_mod.GATE_CLOSED), timeout,
+                              ctypes.c_int(0), ctypes.c_int(expected), timeout,
                               None, ctypes.c_int(0))
             woke.append((time.monotonic(), rc))
 
