@@ -68,9 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in sorted(summary.windows, key=lambda w: -abs(w.error))[:8]:
         if not w.held:
             late = "" if w.late_ms is None else f", dispatcher late {w.late_ms:.2f} ms"
+            shown = f" (not judged: {w.unjudged})" if w.unjudged else ""
             print(f"  GPU {w.gpu} at {w.start:.1f} s, {w.seconds:.1f} s: {w.kernels[1]} / "
                   f"{w.kernels[0]} kernels, {100 * w.error:+.1f}% off 1:{w.expected:g}; "
-                  f"{w.audits} audits{late}")
+                  f"{w.audits} audits{late}{shown}")
     for line in report.write_outputs(record, summary, args.out):
         print(line)
     return 0

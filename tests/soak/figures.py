@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from tests.bench.shares import Report
 
 TARGET = 0.05  # a pair's ratio within 5% of its policy's
+# A window resolves the target when the smaller workload held the GPU this long in
+# it: 50 slices of 20 ms, so that one slice more or less is 2% of its count.
+RESOLVING = 1.0
 SETTLE = 3.0  # seconds after a fault ends or a write, before a window counts as steady
 CHURN_SETTLE = 1.0  # seconds after a container arrives on or leaves the GPU
 BUSY_STEP = 0.25  # a workload is busy in a window when it completes kernels in every step
@@ -98,18 +101,35 @@ class Window:
     kernels: tuple[int, int] = (0, 0)  # the first workload's, the second's
     audits: int = 0  # audits the daemon logged on the GPU in or about the window
     late_ms: float | None = None  # how late its dispatcher woke for deadlines, mean
+    kernel: float = 0.0  # seconds, each kernel of the pair's workloads (0: not known)
 
     @property
     def held(self) -> bool:
         return abs(self.error) <= TARGET
 
+    @property
+    def unjudged(self) -> str:
+        """Why the window is shown but not judged; "" when it is judged. An audit
+        bars a container for a while and gives the time back after, perhaps past
+        the window's end (audits of honest containers are a figure of their own);
+        a window in which the smaller workload held the GPU for less than
+        RESOLVING seconds cannot tell 5% from a slice more or less."""
+        if self.audits:
+            return "an audit"
+        if self.kernel and min(self.kernels) * self.kernel < RESOLVING:
+            return f"under {RESOLVING:g} s of GPU time for the smaller workload"
+        return ""
+
 
 def pooled(windows: Sequence[Window], shortest: float = 0.0
            ) -> dict[tuple[int, float], float]:
     """Each GPU's ratio error over all its steady windows of one expected ratio, their
-    kernels summed, where they last `shortest` s in all: (GPU, expected) -> error."""
+    kernels summed, where they last `shortest` s in all: (GPU, expected) -> error.
+    Windows with an audit are left out (see `Window.unjudged`)."""
     sums: dict[tuple[int, float], tuple[int, int, float]] = {}
     for w in windows:
+        if w.audits:
+            continue
         one, two, seconds = sums.get((w.gpu, w.expected), (0, 0, 0.0))
         sums[(w.gpu, w.expected)] = (one + w.kernels[0], two + w.kernels[1],
                                      seconds + w.seconds)

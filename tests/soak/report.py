@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import math
 import statistics
@@ -11,12 +12,11 @@ from pathlib import Path
 
 from tests.soak import figures
 from tests.soak.plan import FAULTS, Event, Pair, Write, ratio_at
-from tests.soak.runner import PairRun, Record
+from tests.soak.runner import PAIR_US, PairRun, Record
 
 WARMUP = 10.0  # seconds of a daemon's start left out of its growth fit
-# The shortest steady window judged: 2 ms kernels at a share of a few tenths
-# give hundreds of kernels in 4 s, so that one 20 ms slice more or less is a
-# few percent.
+# The shortest steady window: at a share of a few tenths, a second or more of GPU
+# time in 4 s (and a window judged needs figures.RESOLVING of it).
 SHORTEST = 4.0
 
 
@@ -55,9 +55,15 @@ class Summary:
     warnings: int
     hook_errors: list[str]
 
+    audits: int = 0  # of honest containers: no bypass fault under way
+
+    @property
+    def judged(self) -> list[figures.Window]:
+        return [w for w in self.windows if not w.unjudged]
+
     @property
     def windows_held(self) -> int:
-        return sum(1 for w in self.windows if w.held)
+        return sum(1 for w in self.judged if w.held)
 
     @property
     def lost(self) -> int:
@@ -142,6 +148,10 @@ def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
         if backs:
             got.recovered.append(median_or_never(backs))
     windows = [explained(w, record, lines) for w in windows]
+    bypasses = [(f.at, (f.done if f.done is not None else f.at + 30) + figures.SETTLE)
+                for f in record.faults if f.kind == "bypass"]
+    audits = sum(1 for at, line in lines if figures.AUDITED.search(line)
+                 and not any(a <= at <= b for a, b in bypasses))
     errors = figures.unexplained_errors(lines, [(f.kind, f.at) for f in record.faults])
     warnings = sum(1 for _, line in lines if line.startswith("cgpu-daemon: WARNING: "))
     applied = [w for w, error in record.writes if not error]
@@ -155,7 +165,7 @@ def summarize(record: Record, shortest: float = SHORTEST) -> Summary:
         if samples else (0, 0), fds_growth=figures.fit_slope(fds), windows=windows,
         rss_peaks=figures.peaks(rss), fds_peaks=figures.peaks(fds),
         faults=faults, leftovers=record.leftovers, errors=errors, warnings=warnings,
-        hook_errors=record.hook_errors)
+        hook_errors=record.hook_errors, audits=audits)
 
 
 def explained(window: figures.Window, record: Record, lines: Sequence[tuple[float, str]]
@@ -166,7 +176,8 @@ def explained(window: figures.Window, record: Record, lines: Sequence[tuple[floa
     samples = [(s.at, s.daemon_pid, *s.late[window.gpu]) for s in record.samples
                if window.gpu in s.late]
     return replace(window, audits=figures.audits(lines, window.gpu, window.start, end),
-                   late_ms=figures.mean_lateness(samples, window.start, end))
+                   late_ms=figures.mean_lateness(samples, window.start, end),
+                   kernel=PAIR_US / 1e6)
 
 
 def median_or_never(values: Sequence[float | None]) -> float | None:
@@ -187,7 +198,8 @@ def seconds_text(values: Sequence[float | None]) -> str:
 def table(s: Summary) -> str:
     """The run's figures, each with its target."""
     left = {k: len(v) for k, v in s.leftovers.items()}
-    worst = max((abs(w.error) for w in s.windows), default=0.0)
+    worst = max((abs(w.error) for w in s.judged), default=0.0)
+    shown = collections.Counter(w.unjudged for w in s.windows if w.unjudged)
     pooled = list(figures.pooled(s.windows).values())
     pooled_worst = max((abs(e) for e in pooled), default=0.0)
     rows = [
@@ -205,10 +217,13 @@ def table(s: Summary) -> str:
         ("daemon fds growth", growth(s.fds_growth, "fds", 1), "fitted, least squares"),
         ("daemon RSS peak of each life", lives(s.rss_peaks, "MiB", 1024), "no rise"),
         ("daemon fds peak of each life", lives(s.fds_peaks, "fds", 1), "no rise"),
-        ("steady windows within 5%", f"{s.windows_held} of {len(s.windows)} "
-         f"(worst {100 * worst:.1f}%; {sum(w.seconds for w in s.windows):.0f} s)", "all"),
+        ("steady windows within 5%", f"{s.windows_held} of {len(s.judged)} "
+         f"(worst {100 * worst:.1f}%; {sum(w.seconds for w in s.judged):.0f} s)", "all"),
+        ("  shown, not judged", "; ".join(f"{n} with {why}" for why, n in shown.items())
+         or "none", ""),
         ("the same, pooled by GPU and ratio", f"{sum(1 for e in pooled if abs(e) <= 0.05)} "
          f"of {len(pooled)} (worst {100 * pooled_worst:.1f}%)", "all"),
+        ("audits of honest containers", f"{s.audits}", "none"),
         ("containers lost after restarts", f"{s.lost}", "none"),
         ("unexplained error lines", f"{len(s.errors)} ({s.warnings} warnings)", "none"),
         ("hook errors when runc stopped one", f"{len(s.hook_errors)}", "none"),
@@ -277,10 +292,11 @@ def write_windows(summary: Summary, path: Path) -> None:
     with path.open("w", newline="") as out:
         writer = csv.writer(out)
         writer.writerow(["gpu", "start", "seconds", "expected", "error", "first_kernels",
-                         "second_kernels", "audits", "late_ms"])
+                         "second_kernels", "audits", "late_ms", "not_judged"])
         for w in sorted(summary.windows, key=lambda w: (w.gpu, w.start)):
             writer.writerow([w.gpu, f"{w.start:.2f}", f"{w.seconds:.2f}", f"{w.expected:.4f}",
-                             f"{w.error:.4f}", *w.kernels, w.audits, fmt(w.late_ms)])
+                             f"{w.error:.4f}", *w.kernels, w.audits, fmt(w.late_ms),
+                             w.unjudged])
 
 
 def fmt(value: float | None) -> str:

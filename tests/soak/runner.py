@@ -49,7 +49,11 @@ from tests.soak.plan import INITIAL_POLICY, Event, Fault, Pair, Start, Write
 
 IMAGE = "cgpu-soak:latest"
 MIB = 1 << 20
-PAIR_US = 2000  # the pairs' kernels
+# The pairs' kernels. With 2 ms kernels, sixteen workload processes wake 8000 times a
+# second beside the churn on two cores; the soak's CPU load then showed in the
+# shares (one GPU's 1:3 and 4:3 held 6 to 7.5% off for minutes, the same in two runs,
+# while the daemon woke 0.15 ms late on average), which 5 ms kernels do not.
+PAIR_US = 5000
 PERIOD = 0.1  # the daemon's default
 VENV_BIN = Path(sys.executable).parent
 CUWORKLOAD = SIMGPU / "cuworkload"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -113,3 +114,14 @@ def test_audits_count_the_gpus_own_lines_near_the_window() -> None:
     assert figures.audits(lines, 3, 5.0, 25.0) == 2
     assert figures.audits(lines, 4, 5.0, 25.0) == 1
     assert figures.audits(lines, 5, 5.0, 25.0) == 0
+
+
+def test_a_window_with_an_audit_or_too_little_gpu_time_is_shown_not_judged() -> None:
+    window = figures.Window(0, 10.0, 4.0, 2.0, 0.09, (300, 654), kernel=0.005)
+    assert window.unjudged == ""
+    assert "audit" in replace(window, audits=1).unjudged
+    assert "under 1 s" in replace(window, kernels=(199, 430)).unjudged
+    assert replace(window, kernels=(199, 430), kernel=0.0).unjudged == ""  # not known
+    # pooled leaves the audited window out
+    audited = replace(window, start=20.0, kernels=(100, 100), audits=1)
+    assert figures.pooled([window, audited]) == {(0, 2.0): pytest.approx(654 / 300 / 2 - 1)}
