@@ -61,6 +61,7 @@ class TreeSync:
         self._limits_out = limits
         self._sent = Limits(memsize={})
         self._error: str | None = None
+        self._unreadable = trio.Event()  # set by a failed read: the poller reads again
 
     async def read_all(self) -> None:
         """Every node of the tree (start, SIGHUP, and the slow safety sweep)."""
@@ -113,7 +114,16 @@ class TreeSync:
         poll = self.settings.tree_refresh if watching else self.settings.period
         full = self.settings.full_refresh if watching else self.settings.tree_refresh
         next_full = trio.current_time() + full
-        async for _ in Ticks(poll):
+        next_poll = trio.current_time() + poll
+        while True:
+            with trio.move_on_at(next_poll):
+                await self._unreadable.wait()
+            if self._unreadable.is_set():  # a read failed, here or in the watch
+                await self._until_readable()
+                next_full = trio.current_time() + full
+                next_poll = trio.current_time() + poll
+                continue
+            next_poll += poll
             try:
                 if trio.current_time() >= next_full:
                     next_full += full
@@ -123,6 +133,21 @@ class TreeSync:
                 self._note_ok()
             except OSError as error:
                 self._note_error(error)
+
+    async def _until_readable(self) -> None:
+        """The tree could not be read (cgpu-fuse restarting, say): read all of it
+        every period until it can be, which also watches it anew (a remounted
+        tree's watches went with the old mount, and it lists its containers again
+        within seconds: a container unknown for the gate timeout fails open)."""
+        async for _ in Ticks(self.settings.period):
+            self._unreadable = trio.Event()
+            try:
+                await self.read_all()
+            except OSError as error:
+                self._note_error(error)
+                continue
+            self._note_ok()
+            return
 
     async def _read_containers(self, keys: Sequence[Key]) -> None:
         """Read these containers' nodes into the view (those gone are left out), in
@@ -260,6 +285,7 @@ class TreeSync:
                 self._note_error(error)
 
     def _note_error(self, error: OSError) -> None:
+        self._unreadable.set()
         message = f"cannot read the control tree: {error}"
         if message != self._error:
             log.error("%s", message)

@@ -80,9 +80,14 @@ class InotifyWatcher:
         self._inotify = Inotify()
         self._by_wd: dict[int, Change] = {}
         self._by_path: dict[str, int] = {}
+        self._watch_root()
+
+    def _watch_root(self) -> None:
+        """`upgrade`, `inst_ctl` and the root: at the start and at every sync (a
+        remounted tree's watches went with the old mount)."""
         for node in ("upgrade", "inst_ctl"):
-            self._add(f"{root}/{node}", Change(node=node))
-        self._add(str(root), Change(node="upgrade"), DIR_CHANGES)
+            self._add(f"{self.root}/{node}", Change(node=node))
+        self._add(str(self.root), Change(node="upgrade"), DIR_CHANGES)
 
     def fileno(self) -> int:
         return self._inotify.fileno()
@@ -117,6 +122,7 @@ class InotifyWatcher:
             self._inotify.remove(wd)
         for path, (change, mask) in wanted.items():
             self._add(path, change, mask)
+        self._watch_root()
 
     def changes(self) -> list[Change]:
         found: list[Change] = []

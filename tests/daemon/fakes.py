@@ -42,6 +42,7 @@ class FakeWatcher:
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
         self._queued: list[Change] = []
+        self.syncs = 0
 
     def say(self, *changes: Change) -> None:
         self._queued.extend(changes)
@@ -51,7 +52,7 @@ class FakeWatcher:
         return self._read
 
     def sync(self, gpus: Mapping[int, GpuNodes]) -> None:
-        pass  # nothing to watch: the test says what changed
+        self.syncs += 1  # nothing to watch: the test says what changed
 
     def changes(self) -> list[Change]:
         os.read(self._read, 4096)

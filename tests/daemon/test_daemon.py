@@ -151,6 +151,32 @@ async def test_lost_watch_events_make_the_daemon_read_every_container(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_tree_back_after_an_error_is_read_and_watched_at_once(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """cgpu-fuse restarts: the watches went with the old mount and say nothing more.
+    Once the tree reads again it is read whole and watched anew within a period or
+    two, not at the next slow poll: a container it lists then would otherwise be
+    unknown for seconds, and its gates fail open after two."""
+    tree, plane = two_containers(policy=4, weights=(1, 1)), FakePlane()
+    tree.watching = watcher = FakeWatcher()
+    settings = Settings(period=PERIOD, tree_refresh=60, full_refresh=600, memory_interval=0.1,
+                        publish_interval=0.5)
+    daemon, _ = make_daemon(tree, plane, tmp_path, settings=settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        tree.fail = True  # unmounted: the old watches end, which the watch reports
+        watcher.say(Change(node="upgrade"))
+        await trio.sleep(1)
+        synced = watcher.syncs
+        tree.fail = False
+        tree.add(0, "c", 2)  # registered on the new mount: no watch tells of it
+        await trio.sleep(3 * PERIOD)
+        assert "c" in plane.configs[0].containers
+        assert watcher.syncs > synced, "the new mount is watched"
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_missing_region_is_looked_for_every_period_and_only_then(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:

@@ -115,6 +115,27 @@ def test_watcher_says_so_when_the_kernel_dropped_events(tmp_path: Path) -> None:
         watcher.close()
 
 
+def test_a_sync_watches_the_root_nodes_anew(tmp_path: Path) -> None:
+    """A remounted tree's watches went with the old mount (as a replaced file's
+    do): the next `sync` watches `inst_ctl` and `upgrade` again, not only the GPUs
+    and containers, so a registration after the remount is seen at once."""
+    for node in ("upgrade", "inst_ctl"):
+        (tmp_path / node).write_text("0\n")
+    watcher = InotifyWatcher(tmp_path)
+    try:
+        staged = tmp_path / ".replacement"
+        staged.write_text("0\n")
+        os.replace(staged, tmp_path / "inst_ctl")  # its watch ends (IN_IGNORED)
+        assert select.select([watcher], [], [], 10)[0]
+        watcher.changes()
+        watcher.sync({})
+        (tmp_path / "inst_ctl").write_text("add 0 a\n")
+        assert select.select([watcher], [], [], 10)[0]
+        assert Change(node="inst_ctl") in watcher.changes()
+    finally:
+        watcher.close()
+
+
 def test_watcher_sees_a_write_into_a_replaced_file_before_it_syncs(plain_tree: Path) -> None:
     """The mount-free tree replaces a node's file by a rename, which ends the
     file's watch; a write into the new file before the next `sync` still names
