@@ -129,16 +129,23 @@ async def test_weight_change_and_new_container_are_picked_up(
         nursery.cancel_scope.cancel()
 
 
-async def test_lost_watch_events_make_the_daemon_read_every_container(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
-) -> None:
-    """A write the watcher did not name waits for the slow sweep; when the
-    watcher's queue overflowed (events lost), every container is read at once."""
+def watched_daemon(tmp_path: Path) -> tuple[MemoryTree, FakePlane, FakeWatcher, Daemon]:
+    """Two containers at 1:1 under policy 4, a watcher the test speaks for, and slow
+    polls (a minute, ten): what is read sooner is read because of the watch."""
     tree, plane = two_containers(policy=4, weights=(1, 1)), FakePlane()
     tree.watching = watcher = FakeWatcher()
     settings = Settings(period=PERIOD, tree_refresh=60, full_refresh=600, memory_interval=0.1,
                         publish_interval=0.5)
     daemon, _ = make_daemon(tree, plane, tmp_path, settings=settings)
+    return tree, plane, watcher, daemon
+
+
+async def test_lost_watch_events_make_the_daemon_read_every_container(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A write the watcher did not name waits for the slow sweep; when the
+    watcher's queue overflowed (events lost), every container is read at once."""
+    tree, plane, watcher, daemon = watched_daemon(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
         tree.gpus[0].containers["b"].weight = 3  # written while events were being lost
@@ -158,11 +165,7 @@ async def test_a_tree_back_after_an_error_is_read_and_watched_at_once(
     Once the tree reads again it is read whole and watched anew within a period or
     two, not at the next slow poll: a container it lists then would otherwise be
     unknown for seconds, and its gates fail open after two."""
-    tree, plane = two_containers(policy=4, weights=(1, 1)), FakePlane()
-    tree.watching = watcher = FakeWatcher()
-    settings = Settings(period=PERIOD, tree_refresh=60, full_refresh=600, memory_interval=0.1,
-                        publish_interval=0.5)
-    daemon, _ = make_daemon(tree, plane, tmp_path, settings=settings)
+    tree, plane, watcher, daemon = watched_daemon(tmp_path)
     async with trio.open_nursery() as nursery:
         await nursery.start(daemon.run)
         tree.fail = True  # unmounted: the old watches end, which the watch reports
