@@ -94,10 +94,6 @@ class GpuEntry(ctypes.Structure):
     )
 
 
-# libcgpu's gate waiters sleep on the low half of gate_changes (little-endian).
-GATE_CHANGES_FROM_GATE = GpuEntry.gate_changes.offset - GpuEntry.gate.offset
-
-
 class SeenEntry(ctypes.Structure):
     _fields_ = (
         ("pidns", ctypes.c_uint64),
@@ -569,6 +565,11 @@ class Region:
     def _gate_address(self, k: int) -> int:
         return ctypes.addressof(self._gpu(k)) + GpuEntry.gate.offset
 
+    def _gate_changes_address(self, k: int) -> int:
+        """The futex word libcgpu's gate waiters sleep on: the low half of
+        gate_changes (little-endian)."""
+        return ctypes.addressof(self._gpu(k)) + GpuEntry.gate_changes.offset
+
     def gate_is_open(self, k: int) -> bool:
         return bool(self._gpu(k).gate == GATE_OPEN)
 
@@ -624,7 +625,7 @@ class Region:
                 entry.grant_ns = now_ns or time.monotonic_ns()
             # libcgpu sleeps on the count's low half (a gate that opened and closed
             # again is no lost grant); on the gate itself before that change.
-            futex_wake_all(self._gate_address(k) + GATE_CHANGES_FROM_GATE)
+            futex_wake_all(self._gate_changes_address(k))
             futex_wake_all(self._gate_address(k))
         if not is_open:
             entry.grant_ns = 0
