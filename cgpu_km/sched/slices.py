@@ -97,6 +97,8 @@ that is gone). `SliceScheduler.moves` counts the moves taken::
     native     any               policy 5                       Native
     handover   Holding/Draining  a container is waking          Holding
     preempted  Holding           preempted                      Draining
+    quit       Holding           idle, said so, and it gives    Holding/Idle
+                                 the GPU up
     idle       Holding           idle, and it gives the GPU up  Draining
     turns      Holding           slice over, with company or    Draining
                                  others
@@ -127,7 +129,10 @@ The guards, each defined once in `Facts`:
   was granted while such a one waited and could not run).
 - idle: the holder neither launched nor waited for the idle grace, and it
   gives the GPU up: someone else waits or drains, or, where unused time
-  stays idle (policies 0, 2, 3), unless its share is the whole GPU.
+  stays idle (policies 0, 2, 3), unless its share is the whole GPU. Said
+  so (`quits`): every process of it said its work had finished and
+  launched nothing since (`Observation.idle`): no drain is awaited, and it
+  is paid up to when it went idle (half, of a span it shares).
 - slice over: its end has come (a quantum from its start once it has
   company or others); answered: the holder's drain answer is seen; drain
   expired: `drain_timeout` has passed since the close.
@@ -450,6 +455,21 @@ class Activity:
         return {n: replace(seen, waiting=True) if n in through else seen
                 for n, seen in observed.items()}
 
+    def believed(self, observed: Mapping[str, Observation]) -> Mapping[str, Observation]:
+        """`observed`, less the idle reports that a launch belies: one that says
+        a container went idle no later than the step before, when it has launched
+        since (a process's launch takes its report back; one that keeps it is
+        lying, and is taken to be active now)."""
+        before = self._before
+        belied = {n for n, seen in observed.items()
+                  if seen.active_at is not None and seen.active_at <= before
+                  and (mine := self.seen.get(n)) is not None
+                  and mine.launches not in (None, seen.launches)}
+        if not belied:
+            return observed
+        return {n: replace(seen, idle=False, active_at=None) if n in belied else seen
+                for n, seen in observed.items()}
+
     def observe(self, now: float, observed: Mapping[str, Observation], holder: str | None,
                 burst: float) -> frozenset[str]:
         """Take in one step's observations; the containers active now: waiting,
@@ -624,6 +644,9 @@ class Facts:
     was_open: frozenset[str]  # Native: the gates open until now
     waiting: frozenset[str]  # waiting for the GPU, not late, not barred
     answered: bool  # the holder answered its close
+    # Every process of the holder said it went idle, what it queued finished, and
+    # launched nothing since (`Observation.idle`).
+    said_idle: bool
     late: Mapping[str, Late]  # after this step's answers
     barred: frozenset[str]
     # (credit, cap credit) of those that may be asked about: the waiting and the
@@ -648,7 +671,7 @@ class Facts:
                  waiting: frozenset[str], answered: bool, late: Mapping[str, Late],
                  barred: frozenset[str], credits: Mapping[str, tuple[float, float]],
                  rested: Mapping[str, float], holder_active: float,
-                 active: frozenset[str]) -> None:
+                 active: frozenset[str], said_idle: bool = False) -> None:
         # One write for every field: a frozen dataclass's own __init__ sets each
         # apart, three times as long, and the dispatcher's hot loop makes one a step.
         holder, unpaid, shared_half = None, 0.0, 0.0
@@ -662,8 +685,9 @@ class Facts:
         self.__dict__.update(
             now=now, dt=dt, policy=policy, quantum=quantum, grace=grace,
             drain_timeout=drain_timeout, rates=rates, turn=turn, was_open=was_open,
-            waiting=waiting, answered=answered, late=late, barred=barred, credits=credits,
-            rested=rested, holder_active=holder_active, active=active, holder=holder,
+            waiting=waiting, answered=answered, said_idle=said_idle, late=late, barred=barred,
+            credits=credits, rested=rested, holder_active=holder_active, active=active,
+            holder=holder,
             slack=quantum * ELIGIBLE_SLACK_QUANTA, unpaid=unpaid, shared_half=shared_half,
             idle=now - holder_active >= grace, overlaps_full=overlaps >= MAX_OVERLAP,
             _grants={})
@@ -732,6 +756,12 @@ class Facts:
         holder = self.holder
         assert holder is not None
         return self.idle and self.gives_up_when_idle(holder, bool(self.others), self.late)
+
+    @_once
+    def quits(self) -> bool:
+        """It gives the GPU up, and its processes said their work had finished:
+        no drain to await."""
+        return self.said_idle and self.gives_up
 
     @_once
     def preempted(self) -> bool:
@@ -992,6 +1022,25 @@ def _cut(state: State, f: Facts) -> Move:
     return _granted(f, effects, f.waiting - {turn.holder}, sharing=turn.holder)
 
 
+def _quit(state: State, f: Facts) -> Move:
+    """Its processes said their work had finished and launched nothing since: no
+    drain is awaited, and it is paid up to the later of their word and what
+    the steps saw of it (the grace and the report's way back are nobody's);
+    of a span it shared with a drain, half, as at any turn's end."""
+    turn = f.turn
+    assert isinstance(turn, Holding)
+    span = min(max(f.holder_active, turn.paid_to), f.now) - turn.paid_to
+    effects: list[Effect] = []
+    if turn.sharing is None:
+        effects.append(Charge(turn.holder, span))
+    else:
+        effects.append(Charge(turn.holder, span / 2))
+        if turn.sharing in f.late:
+            effects.append(Refund(turn.sharing, span / 2))
+    effects.append(EndTurn(turn.holder))
+    return _granted(f, effects, f.waiting - {turn.holder})
+
+
 def _drain_on(state: State, f: Facts) -> Move:
     assert f.turn is not None
     return f.turn, ()
@@ -1021,6 +1070,9 @@ TABLE: tuple[Row, ...] = (
         "end the turn; the holder late (to its drain limit); grant a waker, shared"),
     Row("preempted", (Holding,), lambda s, f: f.preempted, (Draining,), _close,
         "preempted", "close (pay the slice if it is over)"),
+    Row("quit", (Holding,), lambda s, f: f.quits, (Holding, Idle), _quit,
+        "idle, said so, and it gives the GPU up",
+        "end the turn, paid to its last activity; grant"),
     Row("idle", (Holding,), lambda s, f: f.gives_up, (Draining,), _close,
         "idle, and it gives the GPU up", "close (pay the slice if it is over)"),
     Row("turns", (Holding,), lambda s, f: f.slice_over and bool(f.others or f.company),
@@ -1214,7 +1266,7 @@ class SliceScheduler:
             raise ValueError(f"time went backwards: {now} < {self._now}")
         self._now = now
         activity = self._activity
-        observed = activity.through_armed(observed)
+        observed = activity.believed(activity.through_armed(observed))
         holder = self.holder
         active = activity.observe(now, observed, holder, self.burst_window)
         self._ledger.accrue(dt, activity.active, holder, self.burst_window)
@@ -1281,6 +1333,7 @@ class SliceScheduler:
             turn=turn, was_open=state.open if isinstance(state, Native) else frozenset(),
             waiting=waiting,
             answered=holder is not None and observed.get(holder, NOTHING).answered,
+            said_idle=holder is not None and observed.get(holder, NOTHING).idle,
             late=dict(self._late), barred=frozenset(self._barred),
             credits={n: (accounts[n].credit, accounts[n].cap_credit) for n in names},
             rested={n: seen[n].rested for n in waiting},

@@ -36,6 +36,7 @@ import argparse
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -314,7 +315,7 @@ def engine_parts(base: Path, root: Path, parts: Sequence[str], quick: bool,
             host.close()
 
 
-def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
+def daemon_cpu(base: Path, root: Path, quick: bool, profile: Path | None = None) -> None:
     gpus, per_gpu = 8, 25
     seconds = 10.0 if quick else 30.0
     print(f"Daemon CPU: {per_gpu} containers (cgpu-run jobs) on each of {gpus} simulated GPUs, "
@@ -327,11 +328,14 @@ def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
         gpus = snapshot.gpus if snapshot is not None else ()
         return sum(g.dispatch_wakes for g in gpus), sum(g.switches for g in gpus)
 
-    def cpu_of_daemon(period: float, what: str) -> None:
+    def cpu_of_daemon(period: float, what: str, profiled: bool = False) -> None:
         host.start_daemon(period)
         time.sleep(8)  # past the start: reading 200 containers, feeding their meminfo
         cpu0, wall0, (wakes0, switches0) = host.daemon_cpu_seconds(), time.monotonic(), dispatched()
-        time.sleep(seconds)
+        if profiled and profile is not None:
+            record_profile(host, profile, seconds)
+        else:
+            time.sleep(seconds)
         cpu = host.daemon_cpu_seconds() - cpu0
         wall = time.monotonic() - wall0
         wakes, switches = (now - then for now, then in zip(dispatched(), (wakes0, switches0),
@@ -379,11 +383,27 @@ def daemon_cpu(base: Path, root: Path, quick: bool) -> None:
         pairs = [Workload(name(gpu, k), 5000, gpu=gpu, weight=1)
                  for gpu in range(gpus) for k in (0, 1)]
         with started(host, pairs, 8 + seconds + 2, delay=0.1):
-            cpu_of_daemon(0.1, "two busy per GPU (every GPU switching)")
+            cpu_of_daemon(0.1, "two busy per GPU (every GPU switching)", profiled=True)
         print_stops(host, "daemon CPU")
     finally:
         host.close()
     print()
+
+
+def record_profile(host: SimHost, out: Path, seconds: float) -> None:
+    """Sample the daemon with py-spy (the bench extra) for `seconds`, every thread,
+    into `out` as collapsed stacks (one line a stack, its sample count last)."""
+    assert host.daemon is not None
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        print("  (no profile: py-spy is not installed; pip install -e '.[bench]')")
+        time.sleep(seconds)
+        return
+    subprocess.run([spy, "record", "--pid", str(host.daemon.pid), "--duration",
+                    str(int(seconds)), "--rate", "250", "--format", "raw", "--output",
+                    str(out), "--nonblocking"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(f"  profile: {out} (py-spy, collapsed stacks)")
 
 
 def parse_parts(text: str) -> list[str]:
@@ -401,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="3 s runs, 1 and 8 processes, one daemon period (a rough run)")
     parser.add_argument("--only", type=parse_parts, default=list(PARTS),
                         help=f"comma list of parts: {','.join(PARTS)}")
+    parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                        help="cpu part: py-spy's collapsed stacks of the daemon while "
+                             "every GPU switches, into FILE")
     parser.add_argument("--slice", type=float, default=None, metavar="SECONDS",
                         help="the daemon's --slice for the engine parts (default: its own)")
     args = parser.parse_args(argv)
@@ -420,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "loaded" in parts:
         simulated.append(lambda base, root: loaded_host(base, root, args.quick, args.slice))
     if "cpu" in parts:
-        simulated.append(lambda base, root: daemon_cpu(base, root, args.quick))
+        simulated.append(lambda base, root: daemon_cpu(base, root, args.quick, args.profile))
     if simulated and why is not None:
         print(f"simulated-host parts skipped: {why}\n")
     elif simulated:

@@ -8,7 +8,11 @@ process's queue has emptied after a close (what libcgpu's watcher reports),
 `answer_delay` later. The scheduler is stepped when a process starts waiting
 or answers (the doorbell), when its first launch through an armed gate
 rings (as libcgpu's does, once per arming), and at the time its decision
-names, each `step_delay` late. As libcgpu reports it, a process waits while
+names, each `step_delay` late. A holder that the decision watches for going
+idle (`IdleWatch`) hears from its processes as from libcgpu's watcher: each
+says, `answer_delay` after it has launched nothing for the grace and its
+queue has been empty for the grace, since when (and rings); a launch takes
+that back. As libcgpu reports it, a process waits while
 a launch is held at the gate or, busy, at its in-flight bound; a request's
 synchronize is no wait. Shares are counted in completed kernels per container:
 the model's own count, never the scheduler's figures.
@@ -48,6 +52,9 @@ class Proc:
     next_request: float = 0.0
     to_launch: int = 0  # of the request under way
     requests: list[Request] = field(default_factory=list)
+    last_launch: float = float("-inf")
+    emptied_at: float = 0.0  # when its queue last ran empty
+    idle_since: float | None = None  # its idle report: when it went idle
 
 
 @dataclass
@@ -84,6 +91,7 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
     wake_at = 0.0
     pending_step: float | None = 0.0
     was_waiting = dict.fromkeys(names, False)
+    watched: str | None = None  # the holder the decision watches for going idle
     rests = ProcessRests()  # as the dispatcher's port keeps them
     by_name: dict[str, list[Proc]] = {name: [p for p in procs if p.container == name]
                                       for name in names}
@@ -111,6 +119,7 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                                     and len(p.queue) < p.depth)):
                 rung.add(id(p))
                 armed_rang = True
+            launched = p.launches
             if p.every > 0:
                 p.queue += [p.kernel] * p.to_launch
                 p.launches += p.to_launch
@@ -119,6 +128,8 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                 while len(p.queue) < p.depth:
                     p.queue.append(p.kernel)
                     p.launches += 1
+            if p.launches != launched:
+                p.last_launch, p.idle_since = t, None
         # the GPU: one process at a time, round robin in time slices
         if running is not None and (not running.queue or slice_left <= 0):
             running = None
@@ -135,6 +146,8 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
             if running.queue[0] <= 1e-12:
                 running.queue.pop(0)
                 running.completed += 1
+                if not running.queue:
+                    running.emptied_at = t + dt
                 if running.every > 0 and not running.queue and not running.to_launch:
                     request = running.requests[-1]
                     request.end, request.ended_with = t + dt, completed()
@@ -151,6 +164,13 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
             if t >= p.empty_since + answer_delay:
                 p.answered_seq, p.drained_at = seq, p.empty_since
                 rang = True
+        grace = scheduler.idle_grace
+        for p in by_name.get(watched, []) if watched is not None else ():
+            if p.launches and p.idle_since is None and not p.queue and not p.to_launch:
+                since = max(p.last_launch, p.emptied_at)
+                if t >= since + grace + answer_delay:
+                    p.idle_since = since
+                    rang = True
         for name, mine in by_name.items():
             wants = any(p.to_launch for p in mine) or (
                 demand(t, name) and any(p.every == 0 for p in mine))
@@ -169,7 +189,11 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
             for name, mine in by_name.items():
                 watching = [p for p in mine if p.launches]
                 busy_wants = demand(t, name) and name not in open_
+                said = [p.idle_since for p in watching]
+                idle = (name == watched and bool(said) and not was_waiting[name]
+                        and all(since is not None for since in said))
                 observed[name] = Observation(
+                    idle=idle, active_at=max(s for s in said if s is not None) if idle else None,
                     waiting=was_waiting[name],
                     launches=sum(p.launches for p in mine),
                     answered=all(p.answered_seq == close_seq[name] for p in watching),
@@ -182,11 +206,19 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
             passing = decision.open | decision.armed
             rung -= {id(p) for p in procs if p.container in decision.armed - armed}
             armed = decision.armed
+            watch = decision.idle_watch
+            new_watched = watch.holder if watch is not None and watch.holder in passing else None
+            if new_watched != watched:  # a report stands only while it is asked for
+                for p in procs:
+                    p.idle_since = None
+                watched = new_watched
             for name in open_ - passing:
                 close_seq[name] += 1
                 closed_at[name] = t
             open_ = passing
-            wake_at = max(decision.wake_at, t + step_delay)
+            # as the dispatcher: a watched holder's processes say when it went idle
+            wake_at = max(decision.wake_at if watch is None else watch.otherwise,
+                          t + step_delay)
             if on_step is not None:
                 on_step(t)
     return {name: sum(p.completed for p in procs if p.container == name) for name in names}

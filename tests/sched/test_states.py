@@ -366,6 +366,36 @@ def test_a_watched_holder_is_idle_from_when_it_was_last_seen_active() -> None:
     assert kept.idle_watch.at == pytest.approx(0.0085)
 
 
+def test_a_holder_that_said_it_went_idle_quits_without_a_drain() -> None:
+    """y's processes said they went idle at 0.003 (their work done, nothing
+    launched since): at 0.0065 its turn ends at once, x is granted in the same
+    step, and y is paid to 0.003, not for the grace and the report's way back."""
+    s = scheduler("x", "y", idle_grace=0.002)
+    s.step(0.0, {"x": WAITING, "y": WAITING})
+    said = Observation(launches=5, active_at=0.003, idle=True)
+    decision = s.step(0.0065, {"x": WAITING, "y": said})
+    assert decision.holder == "x"
+    assert isinstance(state(s), Holding)
+    assert s.late_record("y") is None, "nothing left to drain"
+    assert s.used()["y"] == pytest.approx(0.003)
+    assert ("Holding", "quit", "Holding") in s.moves
+
+
+def test_an_idle_report_that_a_launch_belies_is_not_believed() -> None:
+    """y says it went idle at 0.001, but it launched after the step at 0.002
+    had counted its launches: the report is taken back (as libcgpu's launch
+    takes it back), y is active at the step, and it keeps the GPU."""
+    s = scheduler("x", "y", idle_grace=0.002)
+    s.step(0.0, {"x": WAITING, "y": WAITING})
+    s.step(0.002, {"x": WAITING, "y": Observation(launches=3)})
+    lying = Observation(launches=7, active_at=0.001, idle=True)
+    kept = s.step(0.0045, {"x": WAITING, "y": lying})
+    assert kept.holder == "y"
+    assert state(s) == Holding("y", slice_start=0.0, slice_end=0.02, paid_to=0.0)
+    assert kept.idle_watch is not None
+    assert kept.idle_watch.at == pytest.approx(0.0065), "active at the step"
+
+
 def test_active_at_cannot_move_a_container_forward_in_time() -> None:
     """A watch's time later than the step is the step's (a claim from the future
     buys nothing)."""
