@@ -603,8 +603,7 @@ class Region:
             return
         entry.idle_grace_ns = grace_ns
         if grace_ns and not was:
-            self._control.wake = (self._control.wake + 1) & 0xFFFFFFFF
-            futex_wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)
+            self._wake_watchers()
 
     def set_gate(self, k: int, is_open: bool, now_ns: int = 0, *, armed: bool = False) -> None:
         """Open the gate of container GPU k (a grant: waiters wake), arm it (a
@@ -631,8 +630,17 @@ class Region:
             entry.grant_ns = 0
         if value == GATE_CLOSED or was == GATE_OPEN:
             entry.close_seq += 1
-            self._control.wake = (self._control.wake + 1) & 0xFFFFFFFF
-            futex_wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)
+            self._wake_watchers()
+        elif is_open and entry.idle_grace_ns:
+            # Asked to watch before the grant (as the dispatcher asks), a watcher
+            # that woke then found the gate closed and went back to sleep: its
+            # process's launches do not wake it, so the open must.
+            self._wake_watchers()
+
+    def _wake_watchers(self) -> None:
+        """Wake libcgpu's watcher thread in every process of the container."""
+        self._control.wake = (self._control.wake + 1) & 0xFFFFFFFF
+        futex_wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)
 
     def doorbell_address(self, k: int) -> int:
         """The futex word processes ring when they wait at GPU k's gate or answer a close."""

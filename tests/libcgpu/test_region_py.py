@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -180,35 +181,57 @@ def test_a_grant_wakes_a_futex_waiter(tmp_path: Path, word: str) -> None:
         assert r.grant_ns(1) == 1234
 
 
+def watcher_woken(r: Region, action: Callable[[], None], what: str) -> bool:
+    """Whether `action` wakes a thread that sleeps on the control's wake word (as
+    libcgpu's watcher does) in futex_waitv; its own deadline is 10 s away."""
+    wake = r._control.wake
+    address = ctypes.addressof(r._control) + region_mod.ControlLayout.wake.offset
+    tids: list[int] = []
+    woke: list[tuple[float, int]] = []
+
+    def watch() -> None:
+        tids.append(threading.get_native_id())
+        index = futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10)
+        woke.append((time.monotonic(), index))
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    while not tids:
+        time.sleep(0.001)
+    wait_in_syscall(os.getpid(), tids[0], futex._SYS_FUTEX_WAITV, "futex_waitv on wake",
+                    running=thread.is_alive)
+    acted = time.monotonic()
+    action()
+    thread.join(timeout=30)
+    print(f"{what}: woke {woke[0][0] - acted:.4f} s after (index {woke[0][1]})")
+    return woke[0][1] == 0  # the word woke it; its deadline gives -1
+
+
 def test_a_close_bumps_close_seq_and_wakes_watchers(tmp_path: Path) -> None:
     with make(tmp_path, gates_open=True) as r:
         wake = r._control.wake
         r.set_gate(0, True)  # no change: no close
         assert (r.close_seq(0), r._control.wake) == (0, wake)
-        address = ctypes.addressof(r._control) + region_mod.ControlLayout.wake.offset
-        tids: list[int] = []
-        woke: list[tuple[float, int]] = []
-
-        def watch() -> None:
-            tids.append(threading.get_native_id())
-            index = futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10)
-            woke.append((time.monotonic(), index))
-
-        thread = threading.Thread(target=watch)
-        thread.start()
-        while not tids:
-            time.sleep(0.001)
-        wait_in_syscall(os.getpid(), tids[0], futex._SYS_FUTEX_WAITV, "futex_waitv on wake",
-                        running=thread.is_alive)
-        closed = time.monotonic()
-        r.set_gate(0, False)
-        thread.join(timeout=30)
-        # index 0: the word woke it (its own deadline, 10 s away, gives -1)
-        assert [index for _, index in woke] == [0], "the close woke the watcher"
-        print(f"woke {woke[0][0] - closed:.4f} s after the close")
+        assert watcher_woken(r, lambda: r.set_gate(0, False), "the close")
         assert r.close_seq(0) == 1
         assert r.close_seq(1) == 0
         assert r.grant_ns(0) == 0
+
+
+def test_a_grant_to_a_watched_holder_wakes_its_watchers(tmp_path: Path) -> None:
+    """The dispatcher asks a holder to watch (idle_grace_ns) before it opens the
+    gate: a watcher that woke for the ask found the gate closed and slept again,
+    and its process's launches do not wake it, so the grant must, else no idle
+    report comes until the watcher's own look a second later. A grant nobody
+    asked to watch wakes no watcher."""
+    with make(tmp_path) as r:
+        wake = r._control.wake
+        r.set_gate(1, True)
+        assert r._control.wake == wake, "nobody asked: no wake"
+        r.set_idle_grace(0, 2_000_000)
+        assert r._control.wake == wake + 1, "the ask wakes them"
+        assert watcher_woken(r, lambda: r.set_gate(0, True), "the grant")
+        assert r.gate_is_open(0)
 
 
 def test_heartbeat(tmp_path: Path) -> None:
