@@ -154,31 +154,41 @@ def test_a_grant_wakes_a_futex_waiter(tmp_path: Path, word: str) -> None:
             expected = ctypes.c_uint32.from_address(address).value
             assert expected == 2
         libc = ctypes.CDLL(None, use_errno=True)
-        tids: list[int] = []
-        woke: list[tuple[float, int]] = []
 
-        def waiter() -> None:
-            tids.append(threading.get_native_id())
+        def sleep() -> int:
             timeout = (ctypes.c_long * 2)(10, 0)
-            rc = libc.syscall(ctypes.c_long(region_mod._SYS_FUTEX), ctypes.c_void_p(address),
-                              ctypes.c_int(0), ctypes.c_int(expected), timeout,
-                              None, ctypes.c_int(0))
-            woke.append((time.monotonic(), rc))
+            return int(libc.syscall(ctypes.c_long(region_mod._SYS_FUTEX),
+                                    ctypes.c_void_p(address), ctypes.c_int(0),
+                                    ctypes.c_int(expected), timeout, None, ctypes.c_int(0)))
 
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        while not tids:
-            time.sleep(0.001)
-        wait_in_syscall(os.getpid(), tids[0], region_mod._SYS_FUTEX, "FUTEX_WAIT on the gate",
-                        running=thread.is_alive)
-        opened = time.monotonic()
-        r.set_gate(1, True, 1234)
-        thread.join(timeout=30)
         # 0: woken (its own 10 s timeout would give -1, ETIMEDOUT)
-        assert [rc for _, rc in woke] == [0]
-        print(f"woke {woke[0][0] - opened:.4f} s after the open")
+        assert woken(sleep, region_mod._SYS_FUTEX, "FUTEX_WAIT on the gate",
+                     lambda: r.set_gate(1, True, 1234)) == 0
         assert r.gate_is_open(1)
         assert r.grant_ns(1) == 1234
+
+
+def woken(sleep: Callable[[], int], syscall: int, what: str, action: Callable[[], None]) -> int:
+    """Run `sleep` in a thread until it blocks in `syscall` (`what`), then
+    `action`; what `sleep` returned."""
+    tids: list[int] = []
+    woke: list[tuple[float, int]] = []
+
+    def run() -> None:
+        tids.append(threading.get_native_id())
+        woke.append((time.monotonic(), sleep()))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while not tids:
+        time.sleep(0.001)
+    wait_in_syscall(os.getpid(), tids[0], syscall, what, running=thread.is_alive)
+    acted = time.monotonic()
+    action()
+    thread.join(timeout=30)
+    assert woke, f"{what}: still asleep 30 s after"
+    print(f"{what}: returned {woke[0][1]} {woke[0][0] - acted:.4f} s after")
+    return woke[0][1]
 
 
 def watcher_woken(r: Region, action: Callable[[], None], what: str) -> bool:
@@ -186,25 +196,9 @@ def watcher_woken(r: Region, action: Callable[[], None], what: str) -> bool:
     libcgpu's watcher does) in futex_waitv; its own deadline is 10 s away."""
     wake = r._control.wake
     address = ctypes.addressof(r._control) + region_mod.ControlLayout.wake.offset
-    tids: list[int] = []
-    woke: list[tuple[float, int]] = []
-
-    def watch() -> None:
-        tids.append(threading.get_native_id())
-        index = futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10)
-        woke.append((time.monotonic(), index))
-
-    thread = threading.Thread(target=watch)
-    thread.start()
-    while not tids:
-        time.sleep(0.001)
-    wait_in_syscall(os.getpid(), tids[0], futex._SYS_FUTEX_WAITV, "futex_waitv on wake",
-                    running=thread.is_alive)
-    acted = time.monotonic()
-    action()
-    thread.join(timeout=30)
-    print(f"{what}: woke {woke[0][0] - acted:.4f} s after (index {woke[0][1]})")
-    return woke[0][1] == 0  # the word woke it; its deadline gives -1
+    index = woken(lambda: futex.wait_any([(address, wake, True)], time.monotonic_ns() + 10**10),
+                  futex._SYS_FUTEX_WAITV, f"futex_waitv on wake ({what})", action)
+    return index == 0  # the word woke it; its deadline gives -1
 
 
 def test_a_close_bumps_close_seq_and_wakes_watchers(tmp_path: Path) -> None:
