@@ -668,10 +668,10 @@ class Facts:
     def __init__(self, *, now: float, dt: float, policy: Policy, quantum: float, grace: float,
                  drain_timeout: float, rates: Mapping[str, Rate],
                  turn: Holding | Draining | None, was_open: frozenset[str],
-                 waiting: frozenset[str], answered: bool, late: Mapping[str, Late],
-                 barred: frozenset[str], credits: Mapping[str, tuple[float, float]],
-                 rested: Mapping[str, float], holder_active: float,
-                 active: frozenset[str], said_idle: bool = False) -> None:
+                 waiting: frozenset[str], answered: bool, said_idle: bool,
+                 late: Mapping[str, Late], barred: frozenset[str],
+                 credits: Mapping[str, tuple[float, float]], rested: Mapping[str, float],
+                 holder_active: float, active: frozenset[str]) -> None:
         # One write for every field: a frozen dataclass's own __init__ sets each
         # apart, three times as long, and the dispatcher's hot loop makes one a step.
         holder, unpaid, shared_half = None, 0.0, 0.0
@@ -936,15 +936,17 @@ class Row:
     does: str
 
 
-def _end_turn(f: Facts) -> list[Effect]:
+def _end_turn(f: Facts, until: float | None = None) -> list[Effect]:
     """The holder's turn is over (it has answered, is late, or the GPU is handed
-    over): charged up to now, half of a span it shared included (the other
-    half is the drainer's refund)."""
+    over): charged up to now (or `until`), half of a span it shared included
+    (the other half is the drainer's refund)."""
     turn = f.turn
     assert turn is not None
-    effects: list[Effect] = [Charge(turn.holder, f.unpaid + f.shared_half)]
+    span = (f.now if until is None else until) - turn.paid_to
+    half = span / 2 if turn.sharing is not None else 0.0
+    effects: list[Effect] = [Charge(turn.holder, half if turn.sharing is not None else span)]
     if turn.sharing is not None and turn.sharing in f.late:
-        effects.append(Refund(turn.sharing, f.shared_half))
+        effects.append(Refund(turn.sharing, half))
     effects.append(EndTurn(turn.holder))
     return effects
 
@@ -1025,20 +1027,11 @@ def _cut(state: State, f: Facts) -> Move:
 def _quit(state: State, f: Facts) -> Move:
     """Its processes said their work had finished and launched nothing since: no
     drain is awaited, and it is paid up to the later of their word and what
-    the steps saw of it (the grace and the report's way back are nobody's);
-    of a span it shared with a drain, half, as at any turn's end."""
+    the steps saw of it (the grace and the report's way back are nobody's)."""
     turn = f.turn
     assert isinstance(turn, Holding)
-    span = min(max(f.holder_active, turn.paid_to), f.now) - turn.paid_to
-    effects: list[Effect] = []
-    if turn.sharing is None:
-        effects.append(Charge(turn.holder, span))
-    else:
-        effects.append(Charge(turn.holder, span / 2))
-        if turn.sharing in f.late:
-            effects.append(Refund(turn.sharing, span / 2))
-    effects.append(EndTurn(turn.holder))
-    return _granted(f, effects, f.waiting - {turn.holder})
+    until = min(max(f.holder_active, turn.paid_to), f.now)
+    return _granted(f, _end_turn(f, until), f.waiting - {turn.holder})
 
 
 def _drain_on(state: State, f: Facts) -> Move:
