@@ -44,16 +44,18 @@ SIMGPU_DEVICES = "Tesla T4:15109MiB,Tesla V100-SXM2-16GB:16160MiB"
 GPU_TOTALS = (15109 * MIB, 16160 * MIB)
 METRICS = "http://127.0.0.1:9400/metrics"
 US = 2000  # sharework's kernels: 2 ms of GPU time each
-# A TCG guest on a shared 2-core host: the jobs' counts miss a window's ratio by up
-# to 17% at 1:1 and 54% at 4:2, either way, while the daemon's charged time, printed
-# beside them, holds it within 6% over the same spans in 14 of 17 (+23%, -29% and
-# -18% where 2 s held a few long turns). The guest gets a fraction of a core at times;
-# simgpu's engine runs on wall time, and the jobs keep it only 35-83% busy, 2 ms
-# kernels 2 or 8 deep alike. That idle time is the holder's, charged to it, and each
-# job completes 20-84% of its charged time, differently per window: a third, not 15%.
-# It still tells each window's target from the others' (0.5, 1 and 2: the bands
-# 0.34-0.66, 0.67-1.33 and 1.34-2.66 do not meet).
-SHARE_TOLERANCE = 0.33
+# A window's share is judged within 15% where the jobs kept the GPU at least 70%
+# busy (their own counts), within a third where they did not. Why: in a TCG guest
+# that the host starves of CPU, a holder's process cannot launch during its turn,
+# simgpu's engine (wall time) idles, and that idle is charged to whoever held:
+# noise per window, either way, in the counts and not in the charged time. On
+# this 2-core host at 89f365c, quiet: 80-84% busy, counts within 3.4%; beside 2
+# busy loops: 51-62% busy, within 10.5%; beside 3: 35-44% busy, within 13.8%;
+# the charged time within 8.8% throughout (90b9cb8, quiet: within 3.8%). A third
+# still tells each target from the others (bands 0.34-0.66, 0.67-1.33, 1.34-2.66).
+SHARE_TOLERANCE = 0.15
+STARVED_TOLERANCE = 0.33
+STARVED_BELOW = 0.70  # GPU busy, from the jobs' counts
 GATE_TIMEOUT = 2.0  # the region's heartbeat timeout, seconds
 HELD_BEATS = 6  # the daemon's heartbeats (0.5 s apart) over which a held job runs nothing
 REGIONS = Path("/run/cgpu_km-regions")  # CGPU_REGION_DIR of cgpu-daemon.service
@@ -574,9 +576,11 @@ def shares(node: Node) -> None:
         ka, kb = reports["job-a"].count(start, end), reports["job-b"].count(start, end)
         error = ratio_error(ka, kb, target_ratio)
         busy = (ka + kb) * US / 1e6 / (end - start)
-        node.check(f"shares: {label} counted in the jobs", abs(error) <= SHARE_TOLERANCE,
+        tolerance = SHARE_TOLERANCE if busy >= STARVED_BELOW else STARVED_TOLERANCE
+        starved = "" if busy >= STARVED_BELOW else f", a starved guest: under {STARVED_BELOW:.0%}"
+        node.check(f"shares: {label} counted in the jobs", abs(error) <= tolerance,
                    f"kernels {ka}:{kb} over {end - start:.1f} s, ratio error {error:+.1%} "
-                   f"(tolerance {SHARE_TOLERANCE:.0%}), GPU busy {busy:.0%}; "
+                   f"(tolerance {tolerance:.0%}), GPU busy {busy:.0%}{starved}; "
                    f"{charged_beside_counted(charged, reports, start, end, target_ratio)}")
     watchdog_kept(node, before)
 
