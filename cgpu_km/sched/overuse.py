@@ -126,6 +126,11 @@ class _Audited:
     suspected: dict[int, float] = field(default_factory=dict)  # pid -> since when
     asked_at: float = -math.inf
 
+    def restart_tally(self) -> None:
+        """Its samples and grants are counted afresh from here."""
+        self.recent.clear()
+        self.before = (0.0, 0.0)
+
 
 class Judge:
     """Samples in, verdicts and audits wanted out; one per daemon, for every GPU."""
@@ -288,8 +293,7 @@ class Judge:
                     audited.passed_at = stop
                     audited.pids = {s.pid for s in state.samples
                                     if s.key == key and s.end <= stop}
-                    audited.recent.clear()
-                    audited.before = (0.0, 0.0)
+                    audited.restart_tally()
                     why = self._why(key, state, begin, now, suspect, over, ratio, None,
                                     busy, audited)
                     break
@@ -334,8 +338,7 @@ class Judge:
             allowed = (grants.allowed(key[1], since, arrived)
                        if arrived - since <= self.window else None)
             if allowed is None:
-                audited.recent.clear()
-                audited.before = (0.0, 0.0)
+                audited.restart_tally()
             else:
                 period = self.periods(key[0])[0]
                 used = sum(s.percent / 100 * period for s in state.samples
