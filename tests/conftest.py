@@ -55,6 +55,7 @@ TIERS = {
     "hook": UNIT,
     "hook/test_claims.py": INTEGRATION,
     "hook/test_inroot.py::test_a_mount_named_in_bytes_that_are_not_utf8_is_read": INTEGRATION,
+    "hook/test_hook_cli.py::test_pivoted_tells_an_init_that_left_the_root": INTEGRATION,
     "hook/test_runc.py": INTEGRATION,
     "kmod": UNIT,
     "libcgpu": INTEGRATION,

@@ -174,11 +174,13 @@ def test_the_hook_at_both_stages_registers_once(
     assert registered(control_tree) == {k: {} for k in range(4)}
 
 
-def test_pivoted_tells_an_init_that_left_the_root(tmp_path: Path) -> None:
+def test_pivoted_is_false_for_a_process_in_the_root() -> None:
     assert not hook.pivoted(os.getpid())
     assert not hook.pivoted(2 ** 22 + 1)  # no such process: the steps will say
-    if os.geteuid() != 0:
-        pytest.skip("chroot needs root")
+
+
+def test_pivoted_tells_an_init_that_left_the_root(tmp_path: Path) -> None:
+    """Integration (tests/conftest.py): chroot needs root."""
     code = "import os, sys, time; os.chroot(sys.argv[1]); print(flush=True); time.sleep(60)"
     with subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
                           stdout=subprocess.PIPE) as child:
