@@ -943,10 +943,10 @@ def _end_turn(f: Facts, until: float | None = None) -> list[Effect]:
     turn = f.turn
     assert turn is not None
     span = (f.now if until is None else until) - turn.paid_to
-    half = span / 2 if turn.sharing is not None else 0.0
-    effects: list[Effect] = [Charge(turn.holder, half if turn.sharing is not None else span)]
+    paid = span / 2 if turn.sharing is not None else span
+    effects: list[Effect] = [Charge(turn.holder, paid)]
     if turn.sharing is not None and turn.sharing in f.late:
-        effects.append(Refund(turn.sharing, half))
+        effects.append(Refund(turn.sharing, paid))
     effects.append(EndTurn(turn.holder))
     return effects
 

@@ -576,11 +576,12 @@ def shares(node: Node) -> None:
         ka, kb = reports["job-a"].count(start, end), reports["job-b"].count(start, end)
         error = ratio_error(ka, kb, target_ratio)
         busy = (ka + kb) * US / 1e6 / (end - start)
-        tolerance = SHARE_TOLERANCE if busy >= STARVED_BELOW else STARVED_TOLERANCE
-        starved = "" if busy >= STARVED_BELOW else f", a starved guest: under {STARVED_BELOW:.0%}"
+        starved = busy < STARVED_BELOW
+        tolerance = STARVED_TOLERANCE if starved else SHARE_TOLERANCE
+        why = f", a starved guest: under {STARVED_BELOW:.0%}" if starved else ""
         node.check(f"shares: {label} counted in the jobs", abs(error) <= tolerance,
                    f"kernels {ka}:{kb} over {end - start:.1f} s, ratio error {error:+.1%} "
-                   f"(tolerance {tolerance:.0%}), GPU busy {busy:.0%}{starved}; "
+                   f"(tolerance {tolerance:.0%}), GPU busy {busy:.0%}{why}; "
                    f"{charged_beside_counted(charged, reports, start, end, target_ratio)}")
     watchdog_kept(node, before)
 
