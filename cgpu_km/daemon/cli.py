@@ -70,6 +70,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="seconds a busy container goes at most without an audit: a "
                         "quiet span in which NVML must see none of its processes run "
                         "(default %(default)s)")
+    parser.add_argument("--dispatch-priority", type=int, default=Settings.dispatch_priority,
+                        metavar="N", help="the SCHED_FIFO priority of each GPU's dispatcher "
+                        "thread, 1-99, or 0 for the default policy (default %(default)s: "
+                        "above every process of the default policy, below any other "
+                        "real-time thread)")
     parser.add_argument("-v", "--verbose", action="store_true")
     probe = parser.add_mutually_exclusive_group()
     probe.add_argument("--count-gpus", action="store_true",
@@ -119,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             compute_window=args.compute_window,
                             compute_tolerance=args.compute_tolerance,
                             audit_every=args.audit_every,
+                            dispatch_priority=args.dispatch_priority,
                             report_bypass=frozenset(args.report_bypass))
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
@@ -142,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpuError as error:
         log.warning("%s: GPU names and totals unknown", error)
         gpu_info = {}
-    plane = make_plane(args.region_dir, quantum=settings.slice)
+    plane = make_plane(args.region_dir, quantum=settings.slice,
+                       priority=settings.dispatch_priority)
     holder = metrics.SnapshotHolder()
     server = None
     if listen is not None:

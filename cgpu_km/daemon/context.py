@@ -48,6 +48,9 @@ class Settings:
     compute_interval: float = 0.25  # NVML's per-process samples are read this often
     audit_every: float = 300.0  # a busy container is audited at least this often
     compute_tolerance: float = 1.5
+    # Each GPU's dispatcher thread runs under SCHED_FIFO at this priority (0: the
+    # default policy): a host busy with other work then delays no step.
+    dispatch_priority: int = 1
 
     def __post_init__(self) -> None:
         for name in ("period", "slice", "tree_refresh", "full_refresh", "memory_interval",
@@ -63,6 +66,9 @@ class Settings:
                              f"{self.oom_script_timeout!r}")
         if not (isinstance(self.oom_scripts, int) and self.oom_scripts > 0):
             raise ValueError(f"oom_scripts must be a positive count, not {self.oom_scripts!r}")
+        if not (type(self.dispatch_priority) is int and 0 <= self.dispatch_priority <= 99):
+            raise ValueError("dispatch_priority must be 0 (the default policy) or a SCHED_FIFO "
+                             f"priority 1-99, not {self.dispatch_priority!r}")
         if self.on_bypass not in BYPASS_ACTIONS:
             raise ValueError(f"on_bypass must be {' or '.join(BYPASS_ACTIONS)}, "
                              f"not {self.on_bypass!r}")

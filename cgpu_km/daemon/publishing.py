@@ -173,6 +173,7 @@ class Publisher:
                 dispatch_late_wakes=dispatched.late[0] if dispatched else 0,
                 dispatch_late_seconds=dispatched.late[1] if dispatched else 0.0,
                 dispatch_late_max_seconds=dispatched.late[2] if dispatched else 0.0,
+                dispatch_scheduling=dispatched.scheduling if dispatched else "",
             ))
             for name in sorted(nodes.containers):
                 key = (index, name)

@@ -99,6 +99,7 @@ class GpuFigures:
     dispatch_late_wakes: int = 0
     dispatch_late_seconds: float = 0.0
     dispatch_late_max_seconds: float = 0.0
+    dispatch_scheduling: str = ""  # its thread's scheduling policy, in words
 
 
 @dataclass(frozen=True)

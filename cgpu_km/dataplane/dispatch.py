@@ -27,6 +27,7 @@ import collections
 import ctypes
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Set
@@ -68,6 +69,35 @@ DRAIN_POLL_NS = 5_000_000
 # Rings of a draining holder that one wait looks at (its slots only) before it
 # wakes the dispatcher all the same: one per process, for most containers.
 ANSWER_LOOKS = 8
+
+
+# The kernel's name of a dispatcher thread (prctl PR_SET_NAME: 15 bytes at most),
+# as `top -H` and /proc/PID/task/TID/comm show it.
+THREAD_NAME = "cgpu-gpu{gpu}"
+PR_SET_NAME = 15
+
+
+def raise_priority(priority: int, gpu: int, *,
+                   setscheduler: Callable[[int, int, os.sched_param], None] = os.sched_setscheduler,
+                   ) -> str:
+    """Name the calling thread for `gpu` and put it under SCHED_FIFO at `priority`
+    (0: leave it under the default policy); what it runs under, in words.
+
+    A dispatcher at the default policy competes with every busy process of the
+    host, and a step the kernel runs late is a slice, a drain or a handover
+    late. At the lowest real-time priority it preempts them when it wakes
+    (it sleeps in futex waits, and takes a few percent of a core at most).
+    Without the right to it (no CAP_SYS_NICE nor RLIMIT_RTPRIO, a seccomp
+    filter) the thread stays as it is, and says so."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, THREAD_NAME.format(gpu=gpu).encode()[:15], 0, 0, 0)
+    if priority == 0:
+        return "default policy"
+    try:
+        setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except OSError as error:
+        return f"default policy (SCHED_FIFO {priority} refused: {error.strerror})"
+    return f"SCHED_FIFO {priority}"
 
 
 class GpuPort(Protocol):
@@ -120,6 +150,7 @@ class Figures:
     # deadline, their lateness summed, the most), seconds. What a loaded host or
     # the interpreter's lock costs every step that rings cannot show.
     late: tuple[int, float, float] = (0, 0.0, 0.0)
+    scheduling: str = ""  # the thread's scheduling policy, in words (`raise_priority`)
 
 
 def queue_budget(decision: SliceDecision, observed: Mapping[str, Observation],
@@ -137,8 +168,12 @@ class Dispatcher:
     """One GPU's scheduler in a thread of its own; `configure` from any thread."""
 
     def __init__(self, gpu: int, port: GpuPort, config: GpuConfig, *,
-                 quantum: float = QUANTUM, clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 quantum: float = QUANTUM, clock: Callable[[], int] = time.monotonic_ns,
+                 priority: int = 0) -> None:
+        """`priority`: the SCHED_FIFO priority of its thread (0: the default policy)."""
         self.gpu = gpu
+        self.priority = priority
+        self.scheduling = ""
         self.port = port
         self.clock = clock
         self._lock = threading.Lock()
@@ -194,7 +229,7 @@ class Dispatcher:
                            steps=self._steps, last_step=self._last_step,
                            wakes=self._wakes, switches=self._switches,
                            audits=dict(self._audits), configured=self._applied,
-                           late=self._late)
+                           late=self._late, scheduling=self.scheduling)
 
     def grants(self) -> GrantHistory:
         """Who might have run on the GPU when, as far as the dispatcher knows."""
@@ -292,6 +327,13 @@ class Dispatcher:
                 log.info("container %s on GPU %d: audited for %.2f s (%s)", name, self.gpu,
                          length, why)
                 return
+
+    def serve(self) -> None:
+        """The body of the GPU's own thread: named, at its priority, `run`."""
+        self.scheduling = raise_priority(self.priority, self.gpu)
+        if self.priority and self.scheduling != f"SCHED_FIFO {self.priority}":
+            log.warning("GPU %d: dispatcher under the %s", self.gpu, self.scheduling)
+        self.run()
 
     def run(self) -> None:
         """Until `stop`: step, beat, sleep; on the way out every gate opens."""

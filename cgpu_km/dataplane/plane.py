@@ -41,10 +41,13 @@ class RegionPlane:
     """Regions, dispatchers, NVML and the kernel's view, behind `daemon_io.Plane`."""
 
     def __init__(self, directory: Path, nvml: attribution.Nvml | None, *,
-                 quantum: float = QUANTUM, proc: str = kernelview.PROC) -> None:
+                 quantum: float = QUANTUM, proc: str = kernelview.PROC,
+                 priority: int = 0) -> None:
+        """`priority`: the dispatchers' SCHED_FIFO priority (0: the default policy)."""
         self.registry = Registry(directory)
         self.nvml = nvml
         self.quantum = quantum
+        self.priority = priority
         self.attribution = attribution.Attribution(proc)
         # The compute check reads in a worker of its own: an Attribution of its own.
         self._usage = UsageReader(self.registry, nvml, attribution.Attribution(proc)) \
@@ -73,10 +76,11 @@ class RegionPlane:
             if dispatcher is None:
                 port = RegionPort(gpu)
                 port.set_entries(self.registry.entries_for(gpu))
-                dispatcher = Dispatcher(gpu, port, config, quantum=self.quantum)
+                dispatcher = Dispatcher(gpu, port, config, quantum=self.quantum,
+                                        priority=self.priority)
                 if state:
                     dispatcher.restore(state)
-                thread = threading.Thread(target=dispatcher.run, name=f"cgpu-gpu{gpu}",
+                thread = threading.Thread(target=dispatcher.serve, name=f"cgpu-gpu{gpu}",
                                           daemon=True)
                 self._ports[gpu], self._dispatchers[gpu], self._threads[gpu] = (
                     port, dispatcher, thread)
@@ -230,7 +234,8 @@ class RegionPlane:
             raise
 
 
-def make_plane(region_dir: str | None, *, quantum: float = QUANTUM) -> RegionPlane:
+def make_plane(region_dir: str | None, *, quantum: float = QUANTUM,
+               priority: int = 0) -> RegionPlane:
     """The plane for this host: regions plus NVML (simgpu without a driver)."""
     directory = Path(region_dir) if region_dir else region_mod.region_dir()
     nvml: attribution.Nvml | None
@@ -239,4 +244,4 @@ def make_plane(region_dir: str | None, *, quantum: float = QUANTUM) -> RegionPla
     except Exception as error:  # NVML absent or broken: gates still work, memory is unknown
         log.warning("NVML unavailable (%s): no GPU memory figures", error)
         nvml = None
-    return RegionPlane(directory, nvml, quantum=quantum)
+    return RegionPlane(directory, nvml, quantum=quantum, priority=priority)

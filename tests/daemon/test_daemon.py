@@ -503,6 +503,9 @@ def test_bad_settings_are_refused() -> None:
         Settings(period=0)
     with pytest.raises(ValueError, match="slice must be a positive number"):
         Settings(slice=float("nan"))
+    for priority in (-1, 100, 1.0, True):
+        with pytest.raises(ValueError, match=r"dispatch_priority must be 0 .* 1-99, not"):
+            Settings(dispatch_priority=priority)  # type: ignore[arg-type]
 
 
 async def rounds(daemon: Daemon, count: int) -> None:

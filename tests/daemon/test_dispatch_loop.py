@@ -3,11 +3,15 @@ and stamps the heartbeat (counted in wakes and stamps; no clock is read)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+import errno
+import os
+import threading
+from collections.abc import Callable, Mapping, Set
+from pathlib import Path
 
 import pytest
 
-from cgpu_km.dataplane.dispatch import Dispatcher
+from cgpu_km.dataplane.dispatch import Dispatcher, raise_priority
 from cgpu_km.sched import ContainerSpec, GpuConfig, IdleWatch, Observation, Policy
 
 SECOND = 1_000_000_000
@@ -131,3 +135,47 @@ def test_the_dispatcher_records_how_late_it_woke_for_its_deadlines() -> None:
     punctual = run({"a"}, {"b"}, seconds=10).dispatcher
     assert punctual is not None
     assert punctual.figures().late[1] == 0
+
+
+def in_a_thread(call: Callable[[], str]) -> tuple[str, str]:
+    """`call` in a thread of its own (it names the calling thread): what it
+    returned, and the thread's name as the kernel has it."""
+    got: list[tuple[str, str]] = []
+
+    def body() -> None:
+        said = call()
+        got.append((said, Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+                    .read_text().strip()))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return got[0]
+
+
+def test_a_dispatcher_thread_asks_for_sched_fifo_and_is_named() -> None:
+    asked: list[tuple[int, int, int]] = []
+
+    def setscheduler(pid: int, policy: int, param: os.sched_param) -> None:
+        asked.append((pid, policy, param.sched_priority))
+
+    said, name = in_a_thread(lambda: raise_priority(1, 3, setscheduler=setscheduler))
+    assert asked == [(0, os.SCHED_FIFO, 1)]  # 0: the calling thread
+    assert (said, name) == ("SCHED_FIFO 1", "cgpu-gpu3")
+
+
+def test_a_refused_priority_leaves_the_thread_as_it_was_and_says_why() -> None:
+    def setscheduler(pid: int, policy: int, param: os.sched_param) -> None:
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+    said, name = in_a_thread(lambda: raise_priority(5, 0, setscheduler=setscheduler))
+    assert said == f"default policy (SCHED_FIFO 5 refused: {os.strerror(errno.EPERM)})"
+    assert name == "cgpu-gpu0"
+
+
+def test_priority_zero_asks_for_nothing() -> None:
+    def setscheduler(pid: int, policy: int, param: os.sched_param) -> None:
+        raise AssertionError("asked for a policy")
+
+    assert in_a_thread(lambda: raise_priority(0, 7, setscheduler=setscheduler)) == (
+        "default policy", "cgpu-gpu7")

@@ -9,17 +9,20 @@ figures.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from cgpu_km.daemon.snapshot import read_snapshot
 from cgpu_km.dataplane.region import GATE_CLOSED, Region
 from tests.bench.shares import Report, Workload, fraction, measure, started, summarize
-from tests.daemon.simbox import SimHost, held_at, missing
+from tests.daemon.simbox import VENV_BIN, SimHost, held_at, missing
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 US = 1000  # 1 ms kernels
@@ -206,3 +209,48 @@ def test_two_gpus_are_scheduled_independently(host: SimHost) -> None:
     summary = summarize(got["a"], got["b"], 6, target=2.0)
     assert abs(summary.steady_error) <= 0.08, summary
     assert held_at(steady(got["c"], 6), 0.25), steady(got["c"], 6)
+
+
+def thread_policies(pid: int) -> dict[str, set[tuple[int, int]]]:
+    """Each thread name of `pid`: the (policy, priority) its threads run under."""
+    found: dict[str, set[tuple[int, int]]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            policy = (os.sched_getscheduler(int(task.name)),
+                      os.sched_getparam(int(task.name)).sched_priority)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        found.setdefault(name, set()).add(policy)
+    return found
+
+
+@pytest.mark.parametrize("priority", [None, 0, 3])
+def test_dispatchers_run_under_sched_fifo_and_nothing_else_does(host: SimHost,
+                                                                 priority: int | None) -> None:
+    """As the kernel says: each GPU's dispatcher thread (named for its GPU) under
+    SCHED_FIFO at `--dispatch-priority` (default 1), every other thread of the
+    daemon under the default policy; the snapshot says the same."""
+    host.start_daemon(0.02, *(() if priority is None else ("--dispatch-priority",
+                                                             str(priority))))
+    assert host.daemon is not None
+    want = 1 if priority is None else priority
+    fifo = {(os.SCHED_FIFO, want)} if want else {(os.SCHED_OTHER, 0)}
+    found = thread_policies(host.daemon.pid)
+    assert {name: found.pop(name, set()) for name in ("cgpu-gpu0", "cgpu-gpu1")} == {
+        "cgpu-gpu0": fifo, "cgpu-gpu1": fifo}
+    assert set().union(*found.values()) == {(os.SCHED_OTHER, 0)}, found
+    snapshot = read_snapshot(host.state_dir / "snapshot.json")
+    assert snapshot is not None
+    assert [gpu.dispatch_scheduling for gpu in snapshot.gpus] == [
+        f"SCHED_FIFO {want}" if want else "default policy"] * 2
+
+
+def test_a_bad_dispatch_priority_is_refused(host: SimHost) -> None:
+    result = subprocess.run([str(VENV_BIN / "cgpu-daemon"), "--root", str(host.root),
+                             "--dispatch-priority", "100"],
+                            env=host.env, capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 2
+    assert "dispatch_priority must be 0 (the default policy) or a SCHED_FIFO priority 1-99, " \
+        "not 100" in result.stderr

@@ -81,6 +81,10 @@ def test_daemon_unit_keeps_what_the_daemon_needs() -> None:
     assert "ProtectKernelTunables" not in settings
     assert "ProtectControlGroups" not in settings
     assert "ReadOnlyPaths=/sys -/proc/sys " in text
+    # The dispatchers' SCHED_FIFO 1 (Settings.dispatch_priority), without CAP_SYS_NICE.
+    assert "RestrictRealtime" not in settings
+    assert settings["LimitRTPRIO"] == "1"
+    assert "CAP_SYS_NICE" not in settings["CapabilityBoundingSet"]
 
 
 # Settings that give a service a mount namespace of its own.

@@ -521,10 +521,35 @@ def daemon_up(node: Node) -> None:
                inside.stdout.strip() == str(outside),
                f"device {inside.stdout.strip() or inside.stderr.strip()} inside, "
                f"{outside} outside")
+    node.check("daemon: each GPU's dispatcher thread under SCHED_FIFO 1 (LimitRTPRIO=1), "
+               "the others under SCHED_OTHER", *dispatch_policies(int(pid)))
     samples = metrics()
     totals = [sample(samples, "cgpu_gpu_memory_total_bytes", gpu=str(g)) for g in (0, 1)]
     node.check("daemon: /metrics answers with both GPUs' totals",
                totals == [float(t) for t in GPU_TOTALS], str(totals))
+
+
+def dispatch_policies(pid: int) -> tuple[bool, str]:
+    """Whether the daemon's dispatcher threads (named cgpu-gpuN) run under SCHED_FIFO 1
+    and its other threads under SCHED_OTHER, as the kernel says; what it says."""
+    names = {os.SCHED_FIFO: "FIFO", os.SCHED_OTHER: "OTHER"}
+    seen: dict[str, set[str]] = {}
+    ok = True
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            policy = os.sched_getscheduler(int(task.name))
+            priority = os.sched_getparam(int(task.name)).sched_priority
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended
+            continue
+        dispatcher = name.startswith("cgpu-gpu")
+        ok = ok and (policy, priority) == ((os.SCHED_FIFO, 1) if dispatcher
+                                           else (os.SCHED_OTHER, 0))
+        seen.setdefault(name if dispatcher else "the others", set()).add(
+            f"{names.get(policy, str(policy))} {priority}")
+    dispatchers = sum(name.startswith("cgpu-gpu") for name in seen)
+    return ok and dispatchers == 2, "; ".join(
+        f"{name}: {', '.join(sorted(policies))}" for name, policies in sorted(seen.items()))
 
 
 def watchdog_kept(node: Node, before: dict[str, str]) -> None:
