@@ -69,6 +69,11 @@ DRAIN_POLL_NS = 5_000_000
 # Rings of a draining holder that one wait looks at (its slots only) before it
 # wakes the dispatcher all the same: one per process, for most containers.
 ANSWER_LOOKS = 8
+# Waits in a row whose deadline had passed (the scheduler asked for another step
+# at once, every time) before each such wait sleeps SPIN_PAUSE_NS all the same:
+# a fault of the scheduler must not become a real-time thread that never sleeps.
+SPIN_WAITS = 100
+SPIN_PAUSE_NS = 1_000_000
 
 
 # The kernel's name of a dispatcher thread (prctl PR_SET_NAME: 15 bytes at most),
@@ -341,6 +346,7 @@ class Dispatcher:
         drain_wakes = 0  # by the holder's rings, in the drain under way
         step_at = deadline = 0.0  # when the scheduler wants its next step; the wait's end
         ringer: str | None = None
+        spinning = 0  # waits in a row whose deadline had passed
         try:
             while not self._stop.is_set():
                 now = self.clock()
@@ -377,6 +383,13 @@ class Dispatcher:
                 else:
                     step_at = min(step_at, now + DRAIN_POLL_NS)
                 deadline = min(step_at, next_beat + BEAT_SLACK_NS)
+                spinning = spinning + 1 if deadline <= now else 0
+                if spinning >= SPIN_WAITS:
+                    if spinning == SPIN_WAITS:
+                        log.error("GPU %d: the scheduler asked for a step at once %d times "
+                                  "in a row: pausing %g ms between such steps", self.gpu,
+                                  SPIN_WAITS, SPIN_PAUSE_NS / 1e6)
+                    deadline = now + SPIN_PAUSE_NS
                 quiet = {n for n, seen in self._observed.items()
                          if (seen.waiting or n == decision.holder) and n not in answering}
                 # Rounded up: a deadline a fraction of a nanosecond early is a step for nothing.

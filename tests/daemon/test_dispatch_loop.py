@@ -7,12 +7,20 @@ import errno
 import os
 import threading
 from collections.abc import Callable, Mapping, Set
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from cgpu_km.dataplane.dispatch import Dispatcher, raise_priority
-from cgpu_km.sched import ContainerSpec, GpuConfig, IdleWatch, Observation, Policy
+from cgpu_km.dataplane.dispatch import SPIN_PAUSE_NS, SPIN_WAITS, Dispatcher, raise_priority
+from cgpu_km.sched import (
+    ContainerSpec,
+    GpuConfig,
+    IdleWatch,
+    Observation,
+    Policy,
+    SliceDecision,
+)
 
 SECOND = 1_000_000_000
 GATES_FAIL_OPEN_NS = 2 * SECOND
@@ -179,3 +187,23 @@ def test_priority_zero_asks_for_nothing() -> None:
 
     assert in_a_thread(lambda: raise_priority(0, 7, setscheduler=setscheduler)) == (
         "default policy", "cgpu-gpu7")
+
+
+def test_a_scheduler_that_never_lets_it_sleep_is_paused() -> None:
+    # A fault that makes every decision ask for the next step at once would leave a
+    # SCHED_FIFO thread that never sleeps: after SPIN_WAITS such waits in a row, each
+    # sleeps SPIN_PAUSE_NS (here the clock moves only as far as the waits sleep).
+    port = SimulatedPort({"a"}, {"b"}, seconds=1)
+    config = GpuConfig(policy=Policy.SOFT, max_inst=4,
+                       containers={n: ContainerSpec(weight=1) for n in "ab"})
+    port.dispatcher = Dispatcher(0, port, config, clock=lambda: port.now)
+    scheduler = port.dispatcher.scheduler
+    step = scheduler.step
+
+    def eager(now: float, observed: Mapping[str, Observation]) -> SliceDecision:
+        return replace(step(now, observed), wake_at=now)
+
+    scheduler.step = eager  # type: ignore[method-assign]
+    port.dispatcher.run()
+    # 100 waits for nothing, then one a millisecond: about 1000 in the second
+    assert SPIN_WAITS <= port.wakes <= SPIN_WAITS + SECOND // SPIN_PAUSE_NS + 2, port.wakes
