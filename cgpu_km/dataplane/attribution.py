@@ -210,9 +210,7 @@ def measure(registry: Registry, nvml: Nvml | None, attribution: Attribution) -> 
     if nvml is None:
         return MemoryView(by_container={}, gate_wait=gate_wait, oom_refusals=refusals)
     by_pid, used = nvml.memory_by_pid()
-    owners = kernelview.OwnerIndex(
-        {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None},
-        attribution.host, attribution.proc)
+    owners = registry.owner_index(keys, attribution.host, attribution.proc)
     procs: dict[Key, dict[int, int]] = {key: {} for key in figures}
     unmanaged: dict[Key, set[int]] = {}
     identity: dict[int, tuple[int, int, int]] = {}

@@ -43,6 +43,9 @@ class Registry:
         self._containers: dict[int, frozenset[str]] = {}
         self._keys: Mapping[Key, tuple[Attached, int]] = {}
         self._warned: set[str] = set()
+        # The last `owner_index`: of which `keys()`, for which host and /proc.
+        self._owners: tuple[Mapping[Key, tuple[Attached, int]], kernelview.Host, str,
+                            kernelview.OwnerIndex] | None = None
 
     def attach(self, containers: Mapping[int, Set[str]]) -> bool:
         """Follow the tree's containers; True when a region came, went or was replaced."""
@@ -104,6 +107,22 @@ class Registry:
         """(gpu, name) -> (its region, the container GPU that host GPU is)."""
         with self._lock:
             return self._keys
+
+    def owner_index(self, keys: Mapping[Key, tuple[Attached, int]], host: kernelview.Host,
+                    proc: str) -> kernelview.OwnerIndex:
+        """The owners of the containers in `keys` (what `keys()` returned), indexed
+        to find a process's container (`kernelview.OwnerIndex`): built once for
+        each attachment, not in every memory and compute round (200 containers'
+        cgroups each time). Any thread may ask; two that build it at once build
+        the same index."""
+        cached = self._owners
+        if cached is not None and cached[0] is keys and cached[1:3] == (host, proc):
+            return cached[3]
+        index = kernelview.OwnerIndex(
+            {entry.name: entry.owner for entry, _k in keys.values() if entry.owner is not None},
+            host, proc)
+        self._owners = (keys, host, proc, index)
+        return index
 
     def entries_for(self, gpu: int) -> dict[str, tuple[region_mod.Region, int]]:
         """What GPU `gpu`'s dispatcher drives: name -> (region, container GPU)."""

@@ -93,14 +93,15 @@ class UsageReader:
         samples: dict[int, list[Sample]] = {gpu: [] for gpu in grants}
         if any(fresh.values()):
             keys = self.registry.keys()
-            owners = kernelview.OwnerIndex(
-                {entry.name: entry.owner for entry, _k in keys.values()
-                 if entry.owner is not None},
-                self.attribution.host, self.attribution.proc)
+            owners = self.registry.owner_index(keys, self.attribution.host,
+                                               self.attribution.proc)
             attributed: list[tuple[Key, int, Identity]] = []
+            infos: dict[int, kernelview.ProcessInfo | None] = {}  # this round's, by pid
             for gpu, rows in fresh.items():
                 for pid, stamp, percent in rows:
-                    info = self.attribution.known_info(pid)
+                    if pid not in infos:  # a process has several samples a round
+                        infos[pid] = self.attribution.known_info(pid)
+                    info = infos[pid]
                     name = owners.find(info) if info is not None else None
                     key = (gpu, name or "")
                     if info is None or name is None or key not in keys:

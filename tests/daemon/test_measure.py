@@ -134,3 +134,20 @@ def test_a_slot_claimed_while_the_daemon_reclaims_is_not_taken(
     assert plane.reclaim() == 0
     with region_mod.Region.open(tmp_path / "c") as region:
         assert sorted(view.slot for view in region.processes()) == [0, 1]
+
+
+def test_the_owner_index_is_built_once_for_each_attachment(
+    container: tuple[Registry, kernelview.ProcessInfo], tmp_path: Path
+) -> None:
+    registry, info = container
+    attribution = Attribution()
+    keys = registry.keys()
+    index = registry.owner_index(keys, attribution.host, attribution.proc)
+    assert index.find(info) == "c"
+    assert registry.owner_index(keys, attribution.host, attribution.proc) is index
+    assert registry.owner_index(keys, attribution.host, str(tmp_path)) is not index
+    # A container that leaves: the next attachment's keys, a new index without it.
+    registry.attach({0: set()})
+    after = registry.owner_index(registry.keys(), attribution.host, attribution.proc)
+    assert after is not index
+    assert after.find(info) is None
