@@ -98,8 +98,8 @@ def raise_priority(priority: int, gpu: int, *,
     libc.prctl(PR_SET_NAME, THREAD_NAME.format(gpu=gpu).encode()[:15], 0, 0, 0)
     if priority == 0:
         return "default policy"
-    try:
-        setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    try:  # a child it forked, if ever one, starts under the default policy
+        setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(priority))
     except OSError as error:
         return f"default policy (SCHED_FIFO {priority} refused: {error.strerror})"
     return f"SCHED_FIFO {priority}"

@@ -168,7 +168,7 @@ def test_a_dispatcher_thread_asks_for_sched_fifo_and_is_named() -> None:
         asked.append((pid, policy, param.sched_priority))
 
     said, name = in_a_thread(lambda: raise_priority(1, 3, setscheduler=setscheduler))
-    assert asked == [(0, os.SCHED_FIFO, 1)]  # 0: the calling thread
+    assert asked == [(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, 1)]  # 0: the calling thread
     assert (said, name) == ("SCHED_FIFO 1", "cgpu-gpu3")
 
 

@@ -235,7 +235,8 @@ def test_dispatchers_run_under_sched_fifo_and_nothing_else_does(host: SimHost,
                                                              str(priority))))
     assert host.daemon is not None
     want = 1 if priority is None else priority
-    fifo = {(os.SCHED_FIFO, want)} if want else {(os.SCHED_OTHER, 0)}
+    # (a child it forked would start under the default policy: SCHED_RESET_ON_FORK)
+    fifo = {(os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, want)} if want else {(os.SCHED_OTHER, 0)}
     found = thread_policies(host.daemon.pid)
     assert {name: found.pop(name, set()) for name in ("cgpu-gpu0", "cgpu-gpu1")} == {
         "cgpu-gpu0": fifo, "cgpu-gpu1": fifo}
