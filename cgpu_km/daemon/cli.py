@@ -15,8 +15,8 @@ import trio
 from cgpu_km.daemon import core
 from cgpu_km.daemon import snapshot as snap
 from cgpu_km.daemon.context import BYPASS_ACTIONS, Settings
-from cgpu_km.daemon.lifecycle import run_with_signals
-from cgpu_km.daemon.sdnotify import Notifier
+from cgpu_km.daemon.lifecycle import UPGRADED_ENV, run_with_signals
+from cgpu_km.daemon.sdnotify import Notifier, watchdog_interval
 from cgpu_km.tree import client as treefs
 from cgpu_km.tree.fstree import FsTree
 
@@ -129,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"cgpu-daemon: {error}", file=sys.stderr)
         return 2
+    # After a hot update's exec, systemd's watchdog timer runs on from the old
+    # process's last ping: ping before the imports and the tree's first read,
+    # which take seconds on a slow host (the lifecycle pings again once read).
+    if os.environ.get(UPGRADED_ENV) == "1" and watchdog_interval() is not None:
+        Notifier().watchdog()
     # A dispatcher woken by a doorbell must not wait for another thread's Python
     # (a /proc scan, NVML) to give up the interpreter: 5 ms by default.
     sys.setswitchinterval(DISPATCH_SWITCH_INTERVAL)
