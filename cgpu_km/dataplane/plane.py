@@ -28,7 +28,7 @@ from typing import Any
 
 from cgpu_km.dataplane import attribution, kernelview, stopping
 from cgpu_km.dataplane import region as region_mod
-from cgpu_km.dataplane.dispatch import Dispatcher, Figures, RegionPort
+from cgpu_km.dataplane.dispatch import THREAD_NAME, Dispatcher, Figures, RegionPort
 from cgpu_km.dataplane.registry import Registry
 from cgpu_km.dataplane.usage import UsageReader, UsageView
 from cgpu_km.sched import QUANTUM, GpuConfig
@@ -80,7 +80,8 @@ class RegionPlane:
                                         priority=self.priority)
                 if state:
                     dispatcher.restore(state)
-                thread = threading.Thread(target=dispatcher.serve, name=f"cgpu-gpu{gpu}",
+                thread = threading.Thread(target=dispatcher.serve,
+                                          name=THREAD_NAME.format(gpu=gpu),
                                           daemon=True)
                 self._ports[gpu], self._dispatchers[gpu], self._threads[gpu] = (
                     port, dispatcher, thread)

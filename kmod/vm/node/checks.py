@@ -532,8 +532,8 @@ def daemon_up(node: Node) -> None:
 def dispatch_policies(pid: int) -> tuple[bool, str]:
     """Whether the daemon's dispatcher threads (named cgpu-gpuN) run under SCHED_FIFO 1
     and its other threads under SCHED_OTHER, as the kernel says; what it says."""
-    names = {os.SCHED_FIFO | os.SCHED_RESET_ON_FORK: "FIFO (reset on fork)",
-             os.SCHED_OTHER: "OTHER"}
+    fifo = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
+    names = {fifo: "FIFO (reset on fork)", os.SCHED_OTHER: "OTHER"}
     seen: dict[str, set[str]] = {}
     ok = True
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -544,7 +544,6 @@ def dispatch_policies(pid: int) -> tuple[bool, str]:
         except (FileNotFoundError, ProcessLookupError):  # the thread ended
             continue
         dispatcher = name.startswith("cgpu-gpu")
-        fifo = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK
         ok = ok and (policy, priority) == ((fifo, 1) if dispatcher else (os.SCHED_OTHER, 0))
         seen.setdefault(name if dispatcher else "the others", set()).add(
             f"{names.get(policy, str(policy))} {priority}")
