@@ -146,6 +146,36 @@ def test_the_drainers_answer_ends_the_shared_span() -> None:
     assert s.used() == {"a": pytest.approx(0.007), "b": pytest.approx(0.002)}
 
 
+def test_a_waker_takes_a_gpu_its_holder_said_it_left_idle_without_a_drain() -> None:
+    """a said at 0.004 that it went idle at 0.003, within the grace, and launched
+    nothing since the step at 0.001 that counted its launches: b, waking at
+    0.005, takes the GPU with nothing to share, and a is paid to 0.003 (the
+    gap until b came is nobody's)."""
+    s = scheduler("a", "b", policy=Policy.FIXED, idle_grace=0.002)
+    s.step(0.0, {"a": WAITING})
+    s.step(0.001, {"a": Observation(launches=3)})
+    said = Observation(launches=3, active_at=0.003, idle=True)
+    s.step(0.005, {"a": said, "b": WAITING})
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.005)
+    assert s.late_record("a") is None, "nothing left to drain"
+    assert s.used() == {"a": pytest.approx(0.003), "b": 0.0}
+    assert ("Holding", "vacated", "Holding") in s.moves
+
+
+def test_a_holder_that_launched_since_the_step_before_is_handed_over_as_ever() -> None:
+    """The same report, but a launched after the step at 0.001: what it queued
+    may still run, so b shares the span with a's drain, and a is late."""
+    s = scheduler("a", "b", policy=Policy.FIXED, idle_grace=0.002)
+    s.step(0.0, {"a": WAITING})
+    s.step(0.001, {"a": Observation(launches=3)})
+    said = Observation(launches=4, active_at=0.003, idle=True)
+    s.step(0.005, {"a": said, "b": WAITING})
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.005,
+                              sharing="a")
+    assert s.late_record("a") is not None
+    assert ("Holding", "handover", "Holding") in s.moves
+
+
 def test_a_handover_drain_past_its_deadline_is_cut_and_stays_late() -> None:
     s = handed_over()
     record = s.late_record("a")

@@ -95,6 +95,12 @@ def chosen_runs() -> list[Moves]:
         # interactive requests beside a busy neighbour: handovers
         modelled(weighted, [Proc("a", 0.001), Proc("b", 0.001, 2, every=0.02,
                                                    next_request=0.005)], 1.0),
+        # requests closer together than the idle grace, under policy 2: the holder
+        # has said it went idle when the next one wakes
+        modelled(GpuConfig(policy=Policy.FIXED, max_inst=4,
+                           containers={n: W(1) for n in "abcd"}),
+                 [Proc(n, 0.001, 2, every=0.01, next_request=0.0025 * i)
+                  for i, n in enumerate("abcd")], 0.5),
         # a busy high-priority container that stops for 4 ms in 20: it comes back
         # unrested, and preempts
         modelled(prio, [Proc("hi", 0.001, 1), Proc("lo", 0.001, 2)], 1.0,
@@ -126,7 +132,7 @@ def test_every_row_of_the_table_is_taken_by_some_run() -> None:
 def test_a_move_the_table_lacks_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     scheduler = SliceScheduler(GpuConfig(containers={"a": W(1)}))
     scheduler.step(0.0, {"a": WAITING})
-    facts = scheduler._facts(0.01, 0.01, {"a": WAITING}, None)
+    facts = scheduler._facts(0.01, 0.01, {"a": WAITING}, None, False)
     with pytest.raises(TransitionError, match="no row"):
         transition(object(), facts)  # type: ignore[arg-type]
     # a row that claims Idle to Holding and moves to Draining
