@@ -174,6 +174,8 @@ class Publisher:
                 dispatch_late_seconds=dispatched.late[1] if dispatched else 0.0,
                 dispatch_late_max_seconds=dispatched.late[2] if dispatched else 0.0,
                 dispatch_scheduling=dispatched.scheduling if dispatched else "",
+                dispatch_moves=tuple(snap.RowMoves(row, count) for row, count
+                                     in sorted(dispatched.moves.items())) if dispatched else (),
             ))
             for name in sorted(nodes.containers):
                 key = (index, name)

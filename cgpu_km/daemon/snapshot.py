@@ -78,6 +78,14 @@ class ContainerFigures:
 
 
 @dataclass(frozen=True)
+class RowMoves:
+    """How many moves a GPU's scheduler took by one row of its table."""
+
+    row: str
+    count: int
+
+
+@dataclass(frozen=True)
 class GpuFigures:
     """One GPU: identity from NVML, configuration from the tree, usage measured."""
 
@@ -100,6 +108,9 @@ class GpuFigures:
     dispatch_late_seconds: float = 0.0
     dispatch_late_max_seconds: float = 0.0
     dispatch_scheduling: str = ""  # its thread's scheduling policy, in words
+    # counters: the moves its scheduler took, by row of the table (rows not yet
+    # taken left out)
+    dispatch_moves: tuple[RowMoves, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,7 @@ class Figures:
     # the interpreter's lock costs every step that rings cannot show.
     late: tuple[int, float, float] = (0, 0.0, 0.0)
     scheduling: str = ""  # the thread's scheduling policy, in words (`raise_priority`)
+    moves: Mapping[str, int] = field(default_factory=dict)  # by row of the scheduler's table
 
 
 def queue_budget(decision: SliceDecision, observed: Mapping[str, Observation],
@@ -234,7 +235,8 @@ class Dispatcher:
                            steps=self._steps, last_step=self._last_step,
                            wakes=self._wakes, switches=self._switches,
                            audits=dict(self._audits), configured=self._applied,
-                           late=self._late, scheduling=self.scheduling)
+                           late=self._late, scheduling=self.scheduling,
+                           moves=self._scheduler.moves_by_row())
 
     def grants(self) -> GrantHistory:
         """Who might have run on the GPU when, as far as the dispatcher knows."""

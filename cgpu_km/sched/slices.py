@@ -1258,6 +1258,13 @@ class SliceScheduler:
         return {(source.__name__, row.name, target.__name__): count
                 for (source, row, target), count in self._moves.items()}
 
+    def moves_by_row(self) -> dict[str, int]:
+        """The moves the steps took so far, by row of `TABLE`."""
+        counts: dict[str, int] = {}
+        for (_source, row, _target), count in self._moves.items():
+            counts[row.name] = counts.get(row.name, 0) + count
+        return counts
+
     def _set_allot(self) -> None:
         active = self._activity.active
         self._allot = allotments(self._config, active)
