@@ -135,14 +135,15 @@ The guards, each defined once in `Facts`:
   so (`quits`): every process of it said its work had finished and
   launched nothing since (`Observation.idle`): no drain is awaited, and it
   is paid up to when it went idle (half, of a span it shares).
-- vacated: the holder's processes said it went idle (their word stands as
-  soon as their watchers find their queues empty; the ring comes a grace
-  later), and it launched nothing since the step before. A waker then
-  takes a GPU that has been idle since: the holder is paid up to its word,
-  not until a drain answer, and the waker's turn is its own (else the
-  holders of requests that come closer together than the idle grace pay
-  for every gap between them: under policies 0, 2 and 3 the charges add
-  up to the wall time, and their credit walks about zero).
+- said idle, before the grace (`vacated`): every process of the holder said
+  it went idle (their word stands as soon as their watchers find their
+  queues empty; the ring comes a grace later). A waker then takes a GPU
+  that has been idle since: the holder is paid up to its word (a grace
+  before now at most), not until a drain answer, and the waker's turn is
+  its own (else the holders of requests that come closer together than
+  the idle grace pay for every gap between them: under policies 0, 2 and
+  3 the charges add up to the wall time, and their credit walks about
+  zero).
 - slice over: its end has come (a quantum from its start once it has
   company or others); answered: the holder's drain answer is seen; drain
   expired: `drain_timeout` has passed since the close.
@@ -657,7 +658,6 @@ class Facts:
     # Every process of the holder said it went idle, what it queued finished, and
     # launched nothing since (`Observation.idle`).
     said_idle: bool
-    holder_launched: bool  # the holder launched since the step before (or is new)
     late: Mapping[str, Late]  # after this step's answers
     barred: frozenset[str]
     # (credit, cap credit) of those that may be asked about: the waiting and the
@@ -680,7 +680,7 @@ class Facts:
                  drain_timeout: float, rates: Mapping[str, Rate],
                  turn: Holding | Draining | None, was_open: frozenset[str],
                  waiting: frozenset[str], answered: bool, said_idle: bool,
-                 holder_launched: bool, late: Mapping[str, Late], barred: frozenset[str],
+                 late: Mapping[str, Late], barred: frozenset[str],
                  credits: Mapping[str, tuple[float, float]], rested: Mapping[str, float],
                  holder_active: float, active: frozenset[str]) -> None:
         # One write for every field: a frozen dataclass's own __init__ sets each
@@ -696,8 +696,7 @@ class Facts:
         self.__dict__.update(
             now=now, dt=dt, policy=policy, quantum=quantum, grace=grace,
             drain_timeout=drain_timeout, rates=rates, turn=turn, was_open=was_open,
-            waiting=waiting, answered=answered, said_idle=said_idle,
-            holder_launched=holder_launched, late=late, barred=barred,
+            waiting=waiting, answered=answered, said_idle=said_idle, late=late, barred=barred,
             credits=credits, rested=rested, holder_active=holder_active, active=active,
             holder=holder,
             slack=quantum * ELIGIBLE_SLACK_QUANTA, unpaid=unpaid, shared_half=shared_half,
@@ -774,13 +773,6 @@ class Facts:
         """It gives the GPU up, and its processes said their work had finished:
         no drain to await."""
         return self.said_idle and self.gives_up
-
-    @_once
-    def vacated(self) -> bool:
-        """The holder said it went idle and launched nothing since the step
-        before: the GPU has been idle since its word (a process that lies runs
-        no more than it had queued at that step, and that outside its turn)."""
-        return self.said_idle and not self.holder_launched
 
     @_once
     def preempted(self) -> bool:
@@ -1001,12 +993,14 @@ def _hand_over(state: State, f: Facts) -> Move:
 
 
 def _hand_over_vacated(state: State, f: Facts) -> Move:
-    """The holder said it went idle: paid up to then, as by `quit` (the GPU was
-    idle until the waker came, and the span is nobody's), no drain is awaited,
-    and the waker's turn is its own."""
+    """The holder said it went idle: no drain is awaited, the waker's turn is
+    its own, and the holder is paid up to its word (the GPU was idle until the
+    waker came), but for no more than the idle grace before now: a holder
+    idle longer would have quit, and a process that says it went idle while it
+    runs on gains no more than under `quit`."""
     turn = f.turn
     assert isinstance(turn, Holding)
-    until = min(max(f.holder_active, turn.paid_to), f.now)
+    until = min(max(f.holder_active, turn.paid_to, f.now - f.grace), f.now)
     return _granted(f, _end_turn(f, until), f.waiting, among=f.waking)
 
 
@@ -1087,9 +1081,9 @@ TABLE: tuple[Row, ...] = (
     Row("native", (Idle, Holding, Draining, Native), _is_native, (Native,), _native,
         "policy 5",
         "end the turn; charge the open gates; a capped one out of cap credit closes, late"),
-    Row("vacated", (Holding,), lambda s, f: bool(f.waking) and f.vacated, (Holding,),
+    Row("vacated", (Holding,), lambda s, f: bool(f.waking) and f.said_idle, (Holding,),
         _hand_over_vacated, "a container is waking; the holder said it went idle",
-        "end the turn, paid to its last activity; grant a waker"),
+        "end the turn, paid to its last activity (a grace ago at most); grant a waker"),
     Row("handover", (Holding, Draining), lambda s, f: bool(f.waking), (Holding,), _hand_over,
         "a container is waking",
         "end the turn; the holder late (to its drain limit); grant a waker, shared"),
@@ -1300,16 +1294,13 @@ class SliceScheduler:
         activity = self._activity
         observed = activity.believed(activity.through_armed(observed))
         holder = self.holder
-        holder_launched = True
-        if holder is not None and (mine := activity.seen.get(holder)) is not None:
-            holder_launched = mine.launches != observed.get(holder, NOTHING).launches
         active = activity.observe(now, observed, holder, self.burst_window)
         self._ledger.accrue(dt, activity.active, holder, self.burst_window)
         turn = self._hear_the_late(now, observed)
         if active != activity.active:
             activity.active = active
             self._set_allot()
-        facts = self._facts(now, dt, observed, turn, holder_launched)
+        facts = self._facts(now, dt, observed, turn)
         state = self._state
         new, effects, row = transition(state, facts)
         self._apply(effects, facts)
@@ -1343,7 +1334,7 @@ class SliceScheduler:
         return turn
 
     def _facts(self, now: float, dt: float, observed: Mapping[str, Observation],
-               turn: Holding | Draining | None, holder_launched: bool) -> Facts:
+               turn: Holding | Draining | None) -> Facts:
         accounts = self._ledger.accounts
         state = self._state
         holder = None if turn is None else turn.holder
@@ -1369,7 +1360,6 @@ class SliceScheduler:
             waiting=waiting,
             answered=holder is not None and observed.get(holder, NOTHING).answered,
             said_idle=holder is not None and observed.get(holder, NOTHING).idle,
-            holder_launched=holder_launched,
             late=dict(self._late), barred=frozenset(self._barred),
             credits={n: (accounts[n].credit, accounts[n].cap_credit) for n in names},
             rested={n: seen[n].rested for n in waiting},

@@ -132,7 +132,7 @@ def test_every_row_of_the_table_is_taken_by_some_run() -> None:
 def test_a_move_the_table_lacks_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     scheduler = SliceScheduler(GpuConfig(containers={"a": W(1)}))
     scheduler.step(0.0, {"a": WAITING})
-    facts = scheduler._facts(0.01, 0.01, {"a": WAITING}, None, False)
+    facts = scheduler._facts(0.01, 0.01, {"a": WAITING}, None)
     with pytest.raises(TransitionError, match="no row"):
         transition(object(), facts)  # type: ignore[arg-type]
     # a row that claims Idle to Holding and moves to Draining
