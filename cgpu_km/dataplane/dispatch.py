@@ -93,7 +93,7 @@ def raise_priority(priority: int, gpu: int, *,
     late. At the lowest real-time priority it preempts them when it wakes
     (it sleeps in futex waits, and takes a few percent of a core at most).
     Without the right to it (no CAP_SYS_NICE nor RLIMIT_RTPRIO, a seccomp
-    filter) the thread stays as it is, and says so."""
+    filter) the thread stays as it is, and says so, in the journal too."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_NAME, THREAD_NAME.format(gpu=gpu).encode()[:15], 0, 0, 0)
     if priority == 0:
@@ -101,7 +101,9 @@ def raise_priority(priority: int, gpu: int, *,
     try:  # a child it forked, if ever one, starts under the default policy
         setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(priority))
     except OSError as error:
-        return f"default policy (SCHED_FIFO {priority} refused: {error.strerror})"
+        scheduling = f"default policy (SCHED_FIFO {priority} refused: {error.strerror})"
+        log.warning("GPU %d: dispatcher under the %s", gpu, scheduling)
+        return scheduling
     return f"SCHED_FIFO {priority}"
 
 
@@ -338,8 +340,6 @@ class Dispatcher:
     def serve(self) -> None:
         """The body of the GPU's own thread: named, at its priority, `run`."""
         self.scheduling = raise_priority(self.priority, self.gpu)
-        if self.priority and self.scheduling != f"SCHED_FIFO {self.priority}":
-            log.warning("GPU %d: dispatcher under the %s", self.gpu, self.scheduling)
         self.run()
 
     def run(self) -> None:

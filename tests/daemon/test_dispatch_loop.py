@@ -172,13 +172,15 @@ def test_a_dispatcher_thread_asks_for_sched_fifo_and_is_named() -> None:
     assert (said, name) == ("SCHED_FIFO 1", "cgpu-gpu3")
 
 
-def test_a_refused_priority_leaves_the_thread_as_it_was_and_says_why() -> None:
+def test_a_refused_priority_leaves_the_thread_as_it_was_and_says_why(
+        caplog: pytest.LogCaptureFixture) -> None:
     def setscheduler(pid: int, policy: int, param: os.sched_param) -> None:
         raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
 
     said, name = in_a_thread(lambda: raise_priority(5, 0, setscheduler=setscheduler))
     assert said == f"default policy (SCHED_FIFO 5 refused: {os.strerror(errno.EPERM)})"
     assert name == "cgpu-gpu0"
+    assert [r.getMessage() for r in caplog.records] == [f"GPU 0: dispatcher under the {said}"]
 
 
 def test_priority_zero_asks_for_nothing() -> None:
