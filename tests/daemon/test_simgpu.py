@@ -264,4 +264,3 @@ def test_a_bad_dispatch_priority_is_refused(host: SimHost) -> None:
     assert result.returncode == 2
     assert "dispatch_priority must be 0 (the default policy) or a SCHED_FIFO priority 1-99, " \
         "not 100" in result.stderr
-
