@@ -30,13 +30,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
 from cgpu_km.dataplane import futex
-from cgpu_km.dataplane.region import CONTENDED_QUEUE_NS, Region
+from cgpu_km.dataplane.region import CONTENDED_QUEUE_NS, AccountLayout, Region
 from cgpu_km.sched import (
     NOTHING,
     QUANTUM,
@@ -203,7 +203,7 @@ class Dispatcher:
         # The containers whose gates hold: their regions stamped by a heartbeat (a
         # gate fails open until then) and the scheduler configured with them.
         self._stamped: frozenset[str] = frozenset()
-        self._launches: dict[str, int] = {}  # counted at the last step
+        self._launches: dict[str, int] = {}  # of those it armed, counted at the last step
         self._late = (0, 0.0, 0.0)  # Figures.late
         self.error: BaseException | None = None
 
@@ -280,6 +280,8 @@ class Dispatcher:
             self._grants.record(now / 1e9, EVERYONE if native else decision.open | late | holder,
                                 driven=driven, armed=frozenset() if native else decision.armed,
                                 launched=self._launched(before, observed))
+            self._launches = {name: seen.launches for name in decision.armed
+                              if (seen := observed.get(name)) is not None}
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
                         decision.armed, decision.idle_watch)
@@ -312,10 +314,8 @@ class Dispatcher:
         """Those the last step armed whose processes launched since (the grant log
         asks of no others; under the lock)."""
         armed = before.armed if before is not None else frozenset()
-        launched = frozenset(name for name in armed if (seen := observed.get(name)) is not None
-                             and seen.launches != self._launches.get(name, seen.launches))
-        self._launches = {name: seen.launches for name, seen in observed.items()}
-        return launched
+        return frozenset(name for name in armed if (seen := observed.get(name)) is not None
+                         and seen.launches != self._launches.get(name, seen.launches))
 
     def _audit(self, now: float, observed: Mapping[str, Observation]) -> None:
         """Bar one container that an audit was asked for, if it waits while another
@@ -416,8 +416,12 @@ class RegionPort:
 
     def __init__(self, gpu: int) -> None:
         self.gpu = gpu
+        # Replaced whole by `set_entries`, never changed in place: a dispatcher's
+        # step reads them without the lock.
         self._entries: dict[str, tuple[Region, int]] = {}
         self._doorbells: dict[str, int] = {}  # addresses, fixed while a region is mapped
+        self._looks: tuple[tuple[str, Region, int, ctypes.Array[ctypes.c_uint32],
+                                 AccountLayout], ...] = ()
         self._rung: dict[str, int] = {}  # doorbell values at the last observation
         self._kick = ctypes.c_uint32(0)
         self._waits = futex.WaitSet()
@@ -425,6 +429,11 @@ class RegionPort:
         # What `apply` last wrote into each container's region: the region, and
         # (open, armed, queue_ns) in it.
         self._written: dict[str, tuple[Region, tuple[bool, bool, int, int]]] = {}
+        # The last `apply`: its entries, (queue_ns, grace_ns), open, armed, watched.
+        # The next one with the same entries and figures writes only the gates
+        # whose want changed.
+        self._applied: tuple[dict[str, tuple[Region, int]], tuple[int, int], frozenset[str],
+                             frozenset[str], str | None] | None = None
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
         self._watched: str | None = None  # asked to say when it goes idle
@@ -433,9 +442,12 @@ class RegionPort:
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
         """The containers on this GPU: name -> (its region, its container GPU)."""
         doorbells = {name: region.doorbell_address(k) for name, (region, k) in entries.items()}
+        looks = tuple((name, region, k, *region.quick_look())
+                      for name, (region, k) in entries.items())
         with self._lock:
             self._entries = dict(entries)
             self._doorbells = doorbells
+            self._looks = looks
         self.kick()
 
     def entries(self) -> dict[str, tuple[Region, int]]:
@@ -447,10 +459,11 @@ class RegionPort:
         rung: dict[str, int] = {}
         watched = self._watched
         now = time.monotonic_ns() / 1e9
-        for name, (region, k) in self.entries().items():
-            rung[name] = region.doorbell(k)
-            slots = region.live_slots()
-            if not slots:  # most containers, most of the time
+        for name, region, k, doorbells, account in self._looks:
+            rung[name] = doorbells[k]
+            # Most containers, most of the time: no process, two fields read.
+            slots = region.live_slots() if account.slots_used else None
+            if not slots:
                 found[name] = NOTHING
                 continue
             close_seq = region.close_seq(k)
@@ -485,14 +498,22 @@ class RegionPort:
 
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
               armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None) -> None:
-        entries = self.entries()
+        entries = self._entries
         written = self._written
         if len(written) > len(entries):  # containers gone: forget them (and their maps)
             written = self._written = {n: w for n, w in written.items() if n in entries}
         watched = watch.holder if watch is not None and watch.holder in open_ else None
         grace_ns = int(watch.grace * 1e9) if watch is not None else 0
         self._watched = watched
-        for name, (region, k) in entries.items():
+        figures = (queue_ns, grace_ns)
+        last, self._applied = self._applied, (entries, figures, open_, armed, watched)
+        names: Iterable[str | None] = entries
+        if last is not None and last[0] is entries and last[1] == figures:
+            names = (open_ ^ last[2]) | (armed ^ last[3]) | {watched, last[4]}
+        for name in names:
+            if name is None or name not in entries:
+                continue
+            region, k = entries[name]
             want = (name in open_, name in armed, queue_ns, grace_ns if name == watched else 0)
             if written.get(name) == (region, want):
                 continue  # most containers at most steps: only the holder's changes
@@ -520,10 +541,11 @@ class RegionPort:
         names: list[str | None] = [None]
         with self._lock:
             doorbells = self._doorbells
+        last_rung, muted = self._rung, self._muted_until
         for name, address in doorbells.items():
-            seen = self._rung.get(name)
+            seen = last_rung.get(name)
             if seen is None or name in quiet or (
-                    name != answers_of and self._muted_until.get(name, 0) > now):
+                    muted and name != answers_of and muted.get(name, 0) > now):
                 continue
             words.append((address, seen, True))
             names.append(name)
@@ -569,6 +591,7 @@ class RegionPort:
 
     def open_all(self) -> None:
         self._written = {}
+        self._applied = None
         for region, k in self.entries().values():
             region.set_idle_grace(k, 0)
             region.set_gate(k, True)

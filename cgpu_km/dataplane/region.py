@@ -650,6 +650,13 @@ class Region:
     def doorbell(self, k: int) -> int:
         return int(self._doorbells[k])
 
+    def quick_look(self) -> tuple[ctypes.Array[ctypes.c_uint32], AccountLayout]:
+        """The doorbells and the account part as ctypes views: a dispatcher reads
+        every container's doorbell and `slots_used` at every step, fields
+        without a call each (`slots_used` as the processes wrote it: any
+        value; `live_slots` bounds it)."""
+        return self._doorbells, self._account
+
     # -- what the daemon saw --
 
     def publish_seen(self, seen: Sequence[Seen], now_ns: int | None = None) -> None:

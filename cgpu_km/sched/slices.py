@@ -1254,7 +1254,8 @@ class SliceScheduler:
         self._ledger.rate(self._rates)
         accounts, seen = self._ledger.accounts, self._activity.seen
         self._armable = [(n, seen[n], accounts[n], share, preempts)
-                         for n, (share, _, preempts) in self._waiting_rates.items()]
+                         for n, (share, _, preempts) in self._waiting_rates.items()
+                         if share > 0]  # without a share, none may run
 
     def step(self, now: float, observed: Mapping[str, Observation]) -> SliceDecision:
         """Account the time since the last step and decide who holds the GPU now:
