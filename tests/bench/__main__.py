@@ -328,7 +328,8 @@ def daemon_cpu(base: Path, root: Path, quick: bool, profile: Path | None = None)
         gpus = snapshot.gpus if snapshot is not None else ()
         return sum(g.dispatch_wakes for g in gpus), sum(g.switches for g in gpus)
 
-    def cpu_of_daemon(period: float, what: str, profiled: bool = False) -> None:
+    def cpu_of_daemon(period: float, what: str, profiled: bool = False) -> float:
+        """Print the row; the dispatchers' wake-ups a second, all GPUs."""
         host.start_daemon(period)
         time.sleep(8)  # past the start: reading 200 containers, feeding their meminfo
         cpu0, wall0, (wakes0, switches0) = host.daemon_cpu_seconds(), time.monotonic(), dispatched()
@@ -345,6 +346,7 @@ def daemon_cpu(base: Path, root: Path, quick: bool, profile: Path | None = None)
         print(f"  {what:<40} period {period * 1000:3.0f} ms: {100 * cpu / wall:5.1f}%"
               f"{per_switch}", flush=True)
         host.kill_daemon(15)
+        return wakes / wall
 
     def name(gpu: int, k: int) -> str:
         return f"g{gpu}c{k:02d}"
@@ -383,11 +385,30 @@ def daemon_cpu(base: Path, root: Path, quick: bool, profile: Path | None = None)
         pairs = [Workload(name(gpu, k), 5000, gpu=gpu, weight=1)
                  for gpu in range(gpus) for k in (0, 1)]
         with started(host, pairs, 8 + seconds + 2, delay=0.1):
-            cpu_of_daemon(0.1, "two busy per GPU (every GPU switching)", profiled=True)
+            wakes = cpu_of_daemon(0.1, "two busy per GPU (every GPU switching)", profiled=True)
+        print_wake_floor(base, per_gpu, gpus / wakes if wakes else 0.1, wakes)
         print_stops(host, "daemon CPU")
     finally:
         host.close()
     print()
+
+
+def print_wake_floor(base: Path, words: int, asleep: float, wakes: float) -> None:
+    """What the same wake-ups cost a thread that does nothing else: tests/bench/
+    wakefloor.c sleeping in futex_waitv on `words` shared words for `asleep`
+    seconds at a time, measured now, beside the row above (the floor under
+    any dispatcher of this host that wakes as often, in C too)."""
+    program = base / "wakefloor"
+    subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-o",
+                    str(program), str(Path(__file__).with_name("wakefloor.c"))], check=True)
+    sleep_us = max(1, round(asleep * 1e6))
+    rounds = max(50, min(2000, round(3 / asleep)))
+    per_wake = float(subprocess.run([str(program), str(words), str(sleep_us), str(rounds)],
+                                    check=True, capture_output=True, text=True).stdout)
+    print(f"  the host's floor: a C thread asleep in futex_waitv on {words} shared words, "
+          f"{sleep_us / 1000:.1f} ms at a time: {per_wake:.1f} us of CPU a wake-up; at the "
+          f"row's {wakes:.0f} wake-ups a second, {100 * per_wake * wakes / 1e6:.1f}% of a core",
+          flush=True)
 
 
 def record_profile(host: SimHost, out: Path, seconds: float) -> None:
