@@ -19,7 +19,8 @@ again under SIMGPU_SCHED=fifo:
 - loaded: shares and latency again beside 2 and 4 CPU-bound processes per
   core, the latency against no scheduler under the same load (`loaded`).
 
-Then the daemon's CPU use with 25 containers on each of 8 GPUs (cpu), what
+Then the daemon's CPU use with 25 containers on each of 8 GPUs, beside the
+host's own cost of the same wake-ups (cpu), what
 libcgpu adds to launches and allocations (libcgpu), and the data plane's
 deadlines, which tests only assert happen: fail open, the in-flight queue, the
 drain after a close (deadlines); and the daemon's stops, from its detection to
