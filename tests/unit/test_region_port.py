@@ -1,0 +1,59 @@
+"""RegionPort.apply writes only the gates whose want changed: after any run of
+applies every region holds what one full write of the last apply would."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cgpu_km.dataplane import region as region_mod
+from cgpu_km.dataplane.dispatch import RegionPort
+from cgpu_km.sched import IdleWatch
+
+NAMES = ("a", "b", "c", "d")
+
+names = st.frozensets(st.sampled_from(NAMES))
+applies = st.lists(
+    st.tuples(names, names, st.sampled_from((0, region_mod.CONTENDED_QUEUE_NS)),
+              st.none() | st.sampled_from(NAMES), st.booleans()),
+    min_size=1, max_size=12)
+
+
+@pytest.fixture(scope="module")
+def regions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, region_mod.Region]]:
+    base: Path = tmp_path_factory.mktemp("regions")
+    opened = {name: region_mod.Region.create(region_mod.region_path(name, base), name,
+                                             [region_mod.GpuSpec(0, "", 0, 0)])
+              for name in NAMES}
+    yield opened
+    for region in opened.values():
+        region.close()
+
+
+@given(applies)
+def test_apply_leaves_every_gate_as_a_full_write_would(
+        regions: dict[str, region_mod.Region],
+        runs: list[tuple[frozenset[str], frozenset[str], int, str | None, bool]]) -> None:
+    port = RegionPort(0)
+    entries = {name: (region, 0) for name, region in regions.items()}
+    port.set_entries(entries)
+    port.open_all()  # every gate open, whatever the last example left
+    for open_, armed, queue_ns, watched, new_entries in runs:
+        if new_entries:  # a container restarted: the same regions, a new map
+            port.set_entries(dict(entries))
+        armed = armed - open_
+        watch = None if watched is None else IdleWatch(watched, at=1.0, grace=0.002,
+                                                        otherwise=2.0)
+        port.apply(open_, time.monotonic_ns(), queue_ns, armed, watch)
+        for name, region in regions.items():
+            gate = (region_mod.GATE_OPEN if name in open_ else
+                    region_mod.GATE_ARMED if name in armed else region_mod.GATE_CLOSED)
+            assert region.gate(0) == gate, name
+            assert region.queue_ns(0) == queue_ns, name
+            grace = 2_000_000 if name == watched and name in open_ else 0
+            assert region._gpu(0).idle_grace_ns == grace, name
