@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cgpu_km.dataplane import region as region_mod
@@ -36,6 +36,9 @@ def regions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, regi
 
 
 @given(applies)
+# the watch moves between two holders whose gates stay open
+@example(runs=[(frozenset("ab"), frozenset(), 0, "a", False),
+               (frozenset("ab"), frozenset(), 0, "b", False)])
 def test_apply_leaves_every_gate_as_a_full_write_would(
         regions: dict[str, region_mod.Region],
         runs: list[tuple[frozenset[str], frozenset[str], int, str | None, bool]]) -> None:
