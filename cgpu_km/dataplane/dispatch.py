@@ -427,13 +427,13 @@ class RegionPort:
         self._waits = futex.WaitSet()
         self._lock = threading.Lock()
         # What `apply` last wrote into each container's region: the region, and
-        # (open, armed, queue_ns) in it.
+        # (open, armed, queue_ns, idle grace) in it.
         self._written: dict[str, tuple[Region, tuple[bool, bool, int, int]]] = {}
-        # The last `apply`: its entries, (queue_ns, grace_ns), open, armed, watched.
-        # The next one with the same entries and figures writes only the gates
-        # whose want changed.
+        # The last `apply`: its entries, (queue_ns, grace_ns), open and armed (and
+        # `_watched`). The next one with the same entries and figures writes only
+        # the gates whose want changed.
         self._applied: tuple[dict[str, tuple[Region, int]], tuple[int, int], frozenset[str],
-                             frozenset[str], str | None] | None = None
+                             frozenset[str]] | None = None
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
         self._watched: str | None = None  # asked to say when it goes idle
@@ -504,15 +504,15 @@ class RegionPort:
             written = self._written = {n: w for n, w in written.items() if n in entries}
         watched = watch.holder if watch is not None and watch.holder in open_ else None
         grace_ns = int(watch.grace * 1e9) if watch is not None else 0
-        self._watched = watched
+        last_watched, self._watched = self._watched, watched
         figures = (queue_ns, grace_ns)
-        last, self._applied = self._applied, (entries, figures, open_, armed, watched)
-        names: Iterable[str | None] = entries
+        last, self._applied = self._applied, (entries, figures, open_, armed)
+        names: Iterable[str] = entries
         if last is not None and last[0] is entries and last[1] == figures:
-            names = (open_ ^ last[2]) | (armed ^ last[3]) | {watched, last[4]}
+            changed = (open_ ^ last[2]) | (armed ^ last[3])
+            changed |= {n for n in (watched, last_watched) if n is not None}
+            names = changed & entries.keys()
         for name in names:
-            if name is None or name not in entries:
-                continue
             region, k = entries[name]
             want = (name in open_, name in armed, queue_ns, grace_ns if name == watched else 0)
             if written.get(name) == (region, want):
