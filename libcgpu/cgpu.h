@@ -152,6 +152,17 @@ void cgpu_watch(int g) CGPU_HIDDEN;
 void cgpu_idle_launch(struct cgpu_proc *s, int g) CGPU_HIDDEN;
 void cgpu_watch_after_fork(void) CGPU_HIDDEN;
 
+uint64_t cgpu_now_ns(void) CGPU_HIDDEN;
+
+/* Whether the slice the daemon named for GPU g's open gate has ended
+ * (gpu.close_at_ns): the process then waits as at a closed gate, and its
+ * watcher answers the close that comes (watch.c). */
+static inline int cgpu_past_close(const struct cgpu_control *r, int g)
+{
+    uint64_t at = __atomic_load_n(&r->gpu[g].close_at_ns, __ATOMIC_ACQUIRE);
+    return cgpu_unlikely(at != 0) && cgpu_now_ns() >= at;
+}
+
 /* Enter a launch on GPU g: wait while its gate is closed, then mark the
  * launch in progress. The fast path is a load of the gate, two plain stores
  * (the thread's word, the slot's launch count) and the gate's load again
@@ -166,8 +177,10 @@ static inline void cgpu_launch_enter(const struct cgpu_control *r, int g)
     for (;;) {
         if (cgpu_likely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_ACQUIRE) == CGPU_GATE_OPEN)) {
             cgpu_launching_begin(g);
+            /* the slice's end after the thread's word: a watcher that closes
+             * this process at that time settles the launches after it */
             if (cgpu_likely(__atomic_load_n(&r->gpu[g].gate, __ATOMIC_SEQ_CST) ==
-                            CGPU_GATE_OPEN))
+                            CGPU_GATE_OPEN) && !cgpu_past_close(r, g))
                 break;
             cgpu_launching_end(g);
         }
@@ -204,7 +217,6 @@ static inline void cgpu_launch_exit(int g)
     cgpu_launching_end(g);
 }
 
-uint64_t cgpu_now_ns(void) CGPU_HIDDEN;
 void cgpu_log(const char *fmt, ...) CGPU_HIDDEN __attribute__((format(printf, 1, 2)));
 
 /* ---- track.c ---- */

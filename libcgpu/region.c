@@ -740,6 +740,16 @@ static const uint32_t *gate_changes_word(const struct cgpu_control *r, int g)
     return (const uint32_t *)&r->gpu[g].gate_changes;
 }
 
+/* At the slice's end this process's watcher answers the close to come
+ * (close_seq + 1) and rings; the daemon steps on that ring and sees what
+ * waits then. A wait that starts before the answer need not ring too: the
+ * pending count is stored before this load, the answer before the ring. */
+static int answered_ahead(const struct cgpu_control *r, const struct cgpu_proc *me, int g)
+{
+    uint64_t seq = __atomic_load_n(&r->gpu[g].close_seq, __ATOMIC_SEQ_CST);
+    return __atomic_load_n(&me->gpu[g].drained_seq, __ATOMIC_SEQ_CST) == seq + 1;
+}
+
 enum cgpu_pass cgpu_gate_wait(int g)
 {
     const struct cgpu_control *r = cgpu_region_ptr;
@@ -750,13 +760,14 @@ enum cgpu_pass cgpu_gate_wait(int g)
     int counted = 0;
     enum cgpu_pass pass = CGPU_PASS_OPENED;
     for (;;) {
+        int ended = 0; /* open, but past the slice's end: closed by this process itself */
         /* The count of changes is read before the gate and is the word slept on:
          * a gate that opened and closed again between the gate's load and the
          * sleep (the same value, so a sleep on the gate would miss that grant)
          * changed the count, and the sleep returns at once. */
         uint32_t changes = __atomic_load_n(gate_changes_word(r, g), __ATOMIC_ACQUIRE);
         uint32_t closed = __atomic_load_n(gate, __ATOMIC_ACQUIRE);
-        if (closed == CGPU_GATE_OPEN)
+        if (closed == CGPU_GATE_OPEN && !(ended = cgpu_past_close(r, g)))
             break;
         if (closed == CGPU_GATE_ARMED) {
             pass = CGPU_PASS_ARMED;
@@ -785,7 +796,8 @@ enum cgpu_pass cgpu_gate_wait(int g)
         wake = now + wait;
         if (!counted && me != NULL) {
             /* the first waiter of this process tells the daemon it wants the GPU */
-            if (__atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_SEQ_CST) == 0)
+            if (__atomic_fetch_add(&me->gpu[g].pending, 1, __ATOMIC_SEQ_CST) == 0 &&
+                !(ended && !answered_ahead(r, me, g)))
                 cgpu_ring(g);
             counted = 1;
         }

@@ -41,6 +41,16 @@
  *    granted. Processes keep their queued work short (gpu.max_inflight
  *    launches per stream, and gpu.queue_ns of GPU time over all streams,
  *    libcgpu/flight.c), so a drain is short too.
+ *  - The slice's end: while another container waits the daemon writes when
+ *    the holder's slice ends (gpu.close_at_ns, before the gate opens, or
+ *    later while it is open). Launches stop at that time by themselves, and
+ *    each watcher answers the close to come (close_seq + 1) once its work
+ *    has finished, with a ring; a process says it does (proc.gpu.
+ *    closes_itself). The daemon then wakes once a switch, on the answer, not
+ *    also at the slice's end; it closes the gates of those that do not say
+ *    so at that time. A time that has come is never moved while the gate
+ *    stays open: the daemon closes it first (an answer ahead stands for a
+ *    close).
  *  - The account can be rewritten by any process of the container, so it is
  *    not the only word on memory: every memory round the daemon publishes in
  *    control.seen what the kernel's view (NVML by pid namespace and cgroup)
@@ -128,7 +138,8 @@ struct cgpu_gpu {
     uint32_t reserved32;     /* 0 */
     uint64_t queue_ns;       /* GPU time a process may keep queued; 0 = CGPU_DEFAULT_QUEUE_NS */
     uint64_t idle_grace_ns;  /* > 0: tell when idle this long (proc.gpu.idle_ns); 0: nobody asks */
-    uint8_t reserved[88];
+    uint64_t close_at_ns;    /* > 0 while open: the slice ends then (see above); 0: at the close */
+    uint8_t reserved[80];
 };
 
 /* One GPU process of the container as the daemon saw it. 32 bytes. */
@@ -182,7 +193,7 @@ struct cgpu_proc_gpu {
     uint64_t drained_seq;    /* the last gpu.close_seq its watcher answered */
     uint64_t drained_ns;     /* when the work it queued before that close had finished */
     uint32_t watching;       /* 1 while its watcher answers closes of this GPU */
-    uint32_t reserved32;
+    uint32_t closes_itself;  /* 1: it stops at gpu.close_at_ns and answers ahead (watch.c) */
     /* The last launch that waited at the closed gate until the heartbeat was stale: */
     uint64_t stale_heartbeat_ns; /* the heartbeat it judged stale (0: no daemon) */
     uint64_t gate_wake_ns;   /* when its last timed wait was to end (by stale + timeout) */

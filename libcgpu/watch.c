@@ -14,6 +14,14 @@
  * A process that has never launched on a GPU has nothing queued there and
  * is not waited for (gpu.watching stays 0).
  *
+ * The slice's end: while the gate is open the daemon may name when the slice
+ * ends (gpu.close_at_ns, written when another container waits). Launches
+ * stop at that time by themselves (cgpu_past_close), and this thread wakes
+ * then, drains, and answers the close the daemon will make (close_seq + 1)
+ * with a ring: the daemon wakes once for the whole switch, on that ring,
+ * and not also at the slice's end. The slot says the process does this
+ * (gpu.closes_itself); the daemon closes the gates of those that do not.
+ *
  * The idle watch: while the daemon asks (gpu.idle_grace_ns, set while the
  * gate is open and another container waits), this thread also tells it when
  * the process goes idle, so that the daemon need not look: once the process
@@ -39,6 +47,7 @@
 uint32_t cgpu_watching[CGPU_MAX_GPUS];
 
 static pthread_once_t watch_once = PTHREAD_ONCE_INIT;
+static int watcher_running; /* its slots may say closes_itself */
 
 #define WATCH_MAX_SLEEP_NS 1000000000ull /* look again at least every second */
 
@@ -120,8 +129,34 @@ static void answer(int g, uint64_t seq)
     if (me == NULL)
         return;
     __atomic_store_n(&me->gpu[g].drained_ns, done, __ATOMIC_RELAXED);
-    __atomic_store_n(&me->gpu[g].drained_seq, seq, __ATOMIC_RELEASE);
+    /* before the ring, and after any wait that then need not ring (region.c) */
+    __atomic_store_n(&me->gpu[g].drained_seq, seq, __ATOMIC_SEQ_CST);
     cgpu_ring(g);
+}
+
+/* The slice's end the daemon named (gpu.close_at_ns): once it has come, with
+ * the gate still open, this process has stopped launching (cgpu_past_close),
+ * so its drain is the one the daemon's close would ask for, answered ahead
+ * (close_seq + 1). `*answered` is the last close answered; the time until
+ * the slice's end (UINT64_MAX: none, or answered). */
+static uint64_t close_itself(const struct cgpu_control *r, int g, uint64_t *answered)
+{
+    uint64_t at = __atomic_load_n(&r->gpu[g].close_at_ns, __ATOMIC_ACQUIRE);
+    if (at == 0)
+        return UINT64_MAX;
+    /* the count of closes on both sides of the gate's load: the gate was open
+     * while close_seq was `seq`, so the next close is seq + 1 */
+    uint64_t seq = __atomic_load_n(&r->gpu[g].close_seq, __ATOMIC_SEQ_CST);
+    uint32_t gate = __atomic_load_n(&r->gpu[g].gate, __ATOMIC_SEQ_CST);
+    if (gate != CGPU_GATE_OPEN || *answered == seq + 1 ||
+        __atomic_load_n(&r->gpu[g].close_seq, __ATOMIC_SEQ_CST) != seq)
+        return UINT64_MAX;
+    uint64_t now = cgpu_now_ns();
+    if (now < at)
+        return at - now;
+    answer(g, seq + 1);
+    *answered = seq + 1;
+    return UINT64_MAX;
 }
 
 static void *watcher_main(void *arg)
@@ -135,10 +170,13 @@ static void *watcher_main(void *arg)
             if (!__atomic_load_n(&cgpu_watching[g], __ATOMIC_ACQUIRE))
                 continue;
             uint64_t seq = __atomic_load_n(&r->gpu[g].close_seq, __ATOMIC_ACQUIRE);
-            if (seq != answered[g]) {
+            if (seq != answered[g] && seq + 1 != answered[g]) { /* not answered ahead */
                 answer((int)g, seq);
                 answered[g] = seq;
             }
+            uint64_t end = close_itself(r, (int)g, &answered[g]);
+            if (end < sleep_ns)
+                sleep_ns = end;
             uint64_t look = watch_idle(r, (int)g);
             if (look < sleep_ns)
                 sleep_ns = look;
@@ -165,11 +203,13 @@ static void start_watcher(void)
     int rc = pthread_create(&thread, &attr, watcher_main, (void *)r);
     pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (rc != 0)
+    if (rc != 0) {
         cgpu_log("cannot start the watcher thread (%s): the daemon will wait out each drain",
                  strerror(rc));
-    else
+    } else {
         pthread_setname_np(thread, "cgpu-watch");
+        __atomic_store_n(&watcher_running, 1, __ATOMIC_RELEASE);
+    }
 }
 
 void cgpu_watch(int g)
@@ -179,6 +219,8 @@ void cgpu_watch(int g)
         __atomic_store_n(&me->gpu[g].watching, 1, __ATOMIC_SEQ_CST);
     __atomic_store_n(&cgpu_watching[g], 1, __ATOMIC_SEQ_CST);
     pthread_once(&watch_once, start_watcher);
+    if (me != NULL && __atomic_load_n(&watcher_running, __ATOMIC_ACQUIRE))
+        __atomic_store_n(&me->gpu[g].closes_itself, 1, __ATOMIC_SEQ_CST);
 }
 
 /* At exit the process's work goes with it: nothing more to answer for (a
@@ -201,5 +243,6 @@ void cgpu_watch_after_fork(void)
     memset(last_launch_ns, 0, sizeof last_launch_ns);
     memset(quiet_since, 0, sizeof quiet_since);
     memset(quiet_launches, 0, sizeof quiet_launches);
+    watcher_running = 0;
     watch_once = (pthread_once_t)PTHREAD_ONCE_INIT;
 }

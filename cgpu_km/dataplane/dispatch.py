@@ -114,11 +114,17 @@ class GpuPort(Protocol):
         """What each container shows now."""
 
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
-              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None) -> None:
+              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None,
+              close_at: tuple[str, int] | None = None) -> None:
         """Open the gates of `open_`, arm those of `armed` and close the others';
         `queue_ns`: the GPU time each process may keep queued (0: libcgpu's
         default); `watch`: ask its holder's processes to say when they go idle
-        (a ring, and `Observation.active_at` after it)."""
+        (a ring, and `Observation.active_at` after it); `close_at`: (the holder,
+        ns) tell its processes when its slice ends."""
+
+    def closes_itself(self, name: str) -> bool:
+        """Whether every process of `name` that answers closes stops by itself at
+        the slice's end it was told and answers ahead (as of the last observe)."""
 
     def heartbeat(self, now_ns: int) -> None:
         """Tell every container that the daemon is alive."""
@@ -282,9 +288,12 @@ class Dispatcher:
                                 launched=self._launched(before, observed))
             self._launches = {name: seen.launches for name in decision.armed
                               if (seen := observed.get(name)) is not None}
+        close_at = None
+        if decision.close_at is not None and decision.holder is not None:
+            close_at = (decision.holder, math.ceil(decision.close_at * 1e9))
         self.port.apply(decision.open, now,
                         0 if native else queue_budget(decision, observed, late),
-                        decision.armed, decision.idle_watch)
+                        decision.armed, decision.idle_watch, close_at)
         if log.isEnabledFor(logging.DEBUG) and (before is None or before.open != decision.open):
             log.debug("GPU %d at %.4f: open %s (waiting %s; not answered %s)", self.gpu,
                       now / 1e9, ",".join(sorted(decision.open)) or "-",
@@ -294,14 +303,24 @@ class Dispatcher:
 
     def _wake_at(self, decision: SliceDecision) -> float:
         """When to step at the latest: the scheduler's time, but a watch for the
-        holder going idle only once it said it is (it rings when it does)."""
+        holder going idle only once it said it is (it rings when it does), and
+        the end of a slice only if its holder does not close itself then (it
+        rings with its answer)."""
         watch = decision.idle_watch
+        otherwise = decision.wake_at if watch is None else watch.otherwise
+        if self._closes_itself(decision):
+            otherwise = decision.close_wake
         if watch is None:
-            return decision.wake_at
+            return otherwise
         seen = self._observed.get(watch.holder, NOTHING)
         if seen.idle:
-            return min(watch.at, watch.otherwise)
-        return watch.otherwise
+            return min(watch.at, otherwise)
+        return otherwise
+
+    def _closes_itself(self, decision: SliceDecision) -> bool:
+        """The holder was told its slice's end and closes itself then."""
+        return (decision.close_at is not None and decision.holder is not None
+                and self.port.closes_itself(decision.holder))
 
     def audit(self, name: str, length: float, why: str) -> None:
         """Ask for an audit of `name` (`cgpu_km.sched.overuse`): a quiet span of
@@ -376,6 +395,8 @@ class Dispatcher:
                 answering = set(late)
                 if decision.idle_watch is not None:
                     answering.add(decision.idle_watch.holder)
+                if decision.holder is not None and self._closes_itself(decision):
+                    answering.add(decision.holder)
                 answers_of = None
                 if not draining or decision.holder is None:
                     drain_wakes = 0
@@ -427,16 +448,17 @@ class RegionPort:
         self._waits = futex.WaitSet()
         self._lock = threading.Lock()
         # What `apply` last wrote into each container's region: the region, and
-        # (open, armed, queue_ns, idle grace) in it.
-        self._written: dict[str, tuple[Region, tuple[bool, bool, int, int]]] = {}
-        # The last `apply`: its entries, (queue_ns, grace_ns), open and armed (and
-        # `_watched`). The next one with the same entries and figures writes only
-        # the gates whose want changed.
+        # (open, armed, queue_ns, idle grace, slice's end) in it.
+        self._written: dict[str, tuple[Region, tuple[bool, bool, int, int, int]]] = {}
+        # The last `apply`: its entries, (queue_ns, grace_ns), open, armed and
+        # close_at (and `_watched`). The next one with the same entries and figures
+        # writes only the gates whose want changed.
         self._applied: tuple[dict[str, tuple[Region, int]], tuple[int, int], frozenset[str],
-                             frozenset[str]] | None = None
+                             frozenset[str], tuple[str, int] | None] | None = None
         self._rings: dict[str, collections.deque[int]] = {}
         self._muted_until: dict[str, int] = {}
         self._watched: str | None = None  # asked to say when it goes idle
+        self._closers: frozenset[str] = frozenset()  # close themselves (at the last observe)
         self._rests = ProcessRests()
 
     def set_entries(self, entries: Mapping[str, tuple[Region, int]]) -> None:
@@ -457,6 +479,7 @@ class RegionPort:
     def observe(self) -> dict[str, Observation]:
         found: dict[str, Observation] = {}
         rung: dict[str, int] = {}
+        closing: set[str] = set()
         watched = self._watched
         now = time.monotonic_ns() / 1e9
         for name, region, k, doorbells, account in self._looks:
@@ -472,6 +495,9 @@ class RegionPort:
             answered = True
             rest = 0.0
             idle_since = 0  # the latest of its processes' idle reports; -1: one is busy
+            # Processes that answer closes; of them, those that close themselves at
+            # the slice's end they are told, and those that answered the close to come.
+            watchers = closers = ahead = 0
             for slot in slots:
                 line = region.slot_gpu(slot, k)
                 launches += line.launches
@@ -480,8 +506,11 @@ class RegionPort:
                 rest = max(rest, self._rests.look((name, region.slot_pid(slot), slot),
                                                   int(line.launches), bool(line.pending), now))
                 if line.watching:
+                    watchers += 1
+                    closers += line.closes_itself != 0
                     if line.drained_seq != close_seq:
                         answered = False
+                        ahead += line.drained_seq == close_seq + 1
                     if idle_since >= 0:
                         idle_since = max(idle_since, line.idle_ns) if line.idle_ns else -1
             active_at = None
@@ -490,14 +519,23 @@ class RegionPort:
                 idle = idle_since > 0 and not waiting
                 active_at = idle_since / 1e9 if idle else now
             found[name] = Observation(waiting=waiting, launches=launches, answered=answered,
-                                      active_at=active_at,
-                                      process_rest=rest, idle=idle)
+                                      active_at=active_at, process_rest=rest, idle=idle,
+                                      closed_itself=0 < ahead == watchers
+                                      and region.gate_is_open(k))
+            if watchers and closers == watchers:
+                closing.add(name)
         self._rests.end_round()
         self._rung = rung
+        self._closers = frozenset(closing)
         return found
 
+    def closes_itself(self, name: str) -> bool:
+        return name in self._closers
+
+
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
-              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None) -> None:
+              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None,
+              close_at: tuple[str, int] | None = None) -> None:
         entries = self._entries
         written = self._written
         if len(written) > len(entries):  # containers gone: forget them (and their maps)
@@ -506,20 +544,32 @@ class RegionPort:
         grace_ns = int(watch.grace * 1e9) if watch is not None else 0
         last_watched, self._watched = self._watched, watched
         figures = (queue_ns, grace_ns)
-        last, self._applied = self._applied, (entries, figures, open_, armed)
+        last, self._applied = self._applied, (entries, figures, open_, armed, close_at)
         names: Iterable[str] = entries
         if last is not None and last[0] is entries and last[1] == figures:
             changed = (open_ ^ last[2]) | (armed ^ last[3])
             changed |= {n for n in (watched, last_watched) if n is not None}
+            changed |= {pair[0] for pair in (close_at, last[4]) if pair is not None}
             names = changed & entries.keys()
+        ends = close_at[1] if close_at is not None and close_at[0] in open_ else 0
         for name in names:
             region, k = entries[name]
-            want = (name in open_, name in armed, queue_ns, grace_ns if name == watched else 0)
-            if written.get(name) == (region, want):
+            is_open = name in open_
+            want = (is_open, name in armed, queue_ns, grace_ns if name == watched else 0,
+                    ends if close_at is not None and name == close_at[0] else 0)
+            was = written.get(name)
+            if was == (region, want):
                 continue  # most containers at most steps: only the holder's changes
             region.set_queue_ns(k, queue_ns)  # before a grant: the grantee starts tight
             region.set_idle_grace(k, want[3])  # before a grant: watched from its start
-            region.set_gate(k, want[0], now_ns, armed=want[1])
+            if is_open:
+                if (was is not None and was[0] is region and was[1][0]
+                        and 0 < was[1][4] <= now_ns and was[1][4] != want[4]):
+                    # Its slice's end has come and its processes may have answered
+                    # ahead: that answer is for a close, so the slice goes on after one.
+                    region.set_gate(k, False, now_ns)
+                region.set_close_at(k, want[4])  # before the gate opens
+            region.set_gate(k, is_open, now_ns, armed=want[1])
             written[name] = (region, want)
 
     def heartbeat(self, now_ns: int) -> None:
@@ -577,8 +627,9 @@ class RegionPort:
     @staticmethod
     def _answered(region: Region, k: int) -> bool:
         """Whether every watching process of the container answered GPU k's latest
-        close (as `observe` counts it)."""
-        close_seq = region.close_seq(k)
+        close (as `observe` counts it); while its gate is open, the close to come
+        (a process that closed itself at its slice's end answers ahead)."""
+        close_seq = region.close_seq(k) + region.gate_is_open(k)
         for slot in region.live_slots():
             line = region.slot_gpu(slot, k)
             if line.watching and line.drained_seq != close_seq:
@@ -594,4 +645,5 @@ class RegionPort:
         self._applied = None
         for region, k in self.entries().values():
             region.set_idle_grace(k, 0)
+            region.set_close_at(k, 0)
             region.set_gate(k, True)

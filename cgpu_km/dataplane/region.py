@@ -90,7 +90,8 @@ class GpuEntry(ctypes.Structure):
         ("reserved32", ctypes.c_uint32),
         ("queue_ns", ctypes.c_uint64),
         ("idle_grace_ns", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint8 * 88),
+        ("close_at_ns", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint8 * 80),
     )
 
 
@@ -145,7 +146,7 @@ class ProcGpu(ctypes.Structure):
         ("drained_seq", ctypes.c_uint64),
         ("drained_ns", ctypes.c_uint64),
         ("watching", ctypes.c_uint32),
-        ("reserved32", ctypes.c_uint32),
+        ("closes_itself", ctypes.c_uint32),
         ("stale_heartbeat_ns", ctypes.c_uint64),
         ("gate_wake_ns", ctypes.c_uint64),
         ("failed_open_ns", ctypes.c_uint64),
@@ -596,13 +597,33 @@ class Region:
     def set_idle_grace(self, k: int, grace_ns: int) -> None:
         """Ask the processes of container GPU k to say when they go idle for
         `grace_ns` (in their slots' `idle_ns`, with a ring) while its gate is
-        open; 0: stop asking. Asking wakes their watchers."""
+        open; 0: stop asking. Asking wakes their watchers (at once while the
+        gate is open, else when it opens)."""
         entry = self._gpu(k)
         was = entry.idle_grace_ns
         if was == grace_ns:
             return
         entry.idle_grace_ns = grace_ns
-        if grace_ns and not was:
+        if grace_ns and not was and entry.gate == GATE_OPEN:
+            self._wake_watchers()
+
+    def close_at_ns(self, k: int) -> int:
+        return int(self._gpu(k).close_at_ns)
+
+    def set_close_at(self, k: int, at_ns: int) -> None:
+        """Name when the slice of container GPU k's open gate ends (0: when the
+        gate closes): processes that close themselves stop launching then and
+        answer the close ahead. Naming a time wakes their watchers (at once
+        while the gate is open, else when it opens). Written before the gate
+        opens; an end that has come is never moved while the gate stays open
+        (those processes answered for it: close the gate first)."""
+        if not 0 <= at_ns < 2**64:
+            raise RegionError(f"close_at_ns must be 0 to 2**64 - 1, not {at_ns}")
+        entry = self._gpu(k)
+        if entry.close_at_ns == at_ns:
+            return
+        entry.close_at_ns = at_ns
+        if at_ns and entry.gate == GATE_OPEN:
             self._wake_watchers()
 
     def set_gate(self, k: int, is_open: bool, now_ns: int = 0, *, armed: bool = False) -> None:
@@ -631,10 +652,10 @@ class Region:
         if value == GATE_CLOSED or was == GATE_OPEN:
             entry.close_seq += 1
             self._wake_watchers()
-        elif is_open and entry.idle_grace_ns:
-            # Asked to watch before the grant (as the dispatcher asks), a watcher
-            # that woke then found the gate closed and went back to sleep: its
-            # process's launches do not wake it, so the open must.
+        elif is_open and (entry.idle_grace_ns or entry.close_at_ns):
+            # Asked to watch, or told the slice's end, before the grant (as the
+            # dispatcher does): its process's launches do not wake the watcher,
+            # so the open must.
             self._wake_watchers()
 
     def _wake_watchers(self) -> None:

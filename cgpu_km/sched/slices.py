@@ -100,6 +100,8 @@ that is gone). `SliceScheduler.moves` counts the moves taken::
     quit       Holding           idle, said so, and it gives    Holding/Idle
                                  the GPU up
     idle       Holding           idle, and it gives the GPU up  Draining
+    ended      Holding           slice over, with company or    Holding/Idle
+                                 others, and it closed itself
     turns      Holding           slice over, with company or    Draining
                                  others
     spent      Holding           slice over, and it may not     Draining
@@ -195,6 +197,10 @@ class Observation:
     # Every process of it said it went idle, at `active_at` (libcgpu's idle
     # watch, asked of a watched holder); False: busy, or not asked.
     idle: bool = False
+    # Its gate is open, and every process of it stopped at the slice's end it
+    # was told (`SliceDecision.close_at`) and answered the close to come: its
+    # work there has finished (the process's word, as every answer is).
+    closed_itself: bool = False
 
 
 class ProcessRests:
@@ -261,6 +267,13 @@ class SliceDecision:
     # wait (`SliceScheduler` docstring: armed gates).
     armed: frozenset[str] = frozenset()
     idle_watch: IdleWatch | None = None
+    # The holder's slice ends with a close at `close_at` (another container
+    # waits). A caller whose holder's processes stop then by themselves and
+    # answer the close ahead (libcgpu's `close_at_ns`) may step on that answer
+    # instead: at `close_wake` at the latest (the other deadlines, and the
+    # drain limit after `close_at`), where `wake_at` has the slice's end.
+    close_at: float | None = None
+    close_wake: float = float("inf")
 
     def is_open(self, name: str) -> bool:
         return name in self.open
@@ -644,6 +657,7 @@ class Facts:
     was_open: frozenset[str]  # Native: the gates open until now
     waiting: frozenset[str]  # waiting for the GPU, not late, not barred
     answered: bool  # the holder answered its close
+    closed_itself: bool  # the holder stopped at the end it was told, and answered ahead
     # Every process of the holder said it went idle, what it queued finished, and
     # launched nothing since (`Observation.idle`).
     said_idle: bool
@@ -669,6 +683,7 @@ class Facts:
                  drain_timeout: float, rates: Mapping[str, Rate],
                  turn: Holding | Draining | None, was_open: frozenset[str],
                  waiting: frozenset[str], answered: bool, said_idle: bool,
+                 closed_itself: bool,
                  late: Mapping[str, Late], barred: frozenset[str],
                  credits: Mapping[str, tuple[float, float]], rested: Mapping[str, float],
                  holder_active: float, active: frozenset[str]) -> None:
@@ -685,7 +700,8 @@ class Facts:
         self.__dict__.update(
             now=now, dt=dt, policy=policy, quantum=quantum, grace=grace,
             drain_timeout=drain_timeout, rates=rates, turn=turn, was_open=was_open,
-            waiting=waiting, answered=answered, said_idle=said_idle, late=late, barred=barred,
+            waiting=waiting, answered=answered, said_idle=said_idle,
+            closed_itself=closed_itself, late=late, barred=barred,
             credits=credits, rested=rested, holder_active=holder_active, active=active,
             holder=holder,
             slack=quantum * ELIGIBLE_SLACK_QUANTA, unpaid=unpaid, shared_half=shared_half,
@@ -740,6 +756,12 @@ class Facts:
     @_once
     def slice_over(self) -> bool:
         return self.now >= self.slice_end
+
+    @_once
+    def ended(self) -> bool:
+        """Its slice is over with company or others, and it closed itself at its
+        end (`Observation.closed_itself`): no drain is awaited."""
+        return self.slice_over and self.closed_itself and bool(self.others or self.company)
 
     def gives_up_when_idle(self, holder: str, company: bool, late: Mapping[str, Late]) -> bool:
         """Whether `holder`, if it goes idle, gives the GPU up (so is watched for
@@ -982,11 +1004,18 @@ def _hand_over(state: State, f: Facts) -> Move:
 
 
 def _close(state: State, f: Facts) -> Move:
+    """Close. After the slice's end the drain began then: a holder told that
+    end (`SliceDecision.close_at`) stopped by itself, and its drain limit runs
+    from there, however late the step that sees its answer."""
     turn = f.turn
     assert isinstance(turn, Holding)
-    if f.slice_over and f.unpaid:  # the slice so far is paid at its end
-        return (Draining(turn.holder, closed_at=f.now, paid_to=f.now, sharing=turn.sharing),
-                (Charge(turn.holder, f.unpaid),))
+    if f.slice_over:
+        closed = min(f.now, f.slice_end)
+        if f.unpaid:  # the slice so far is paid at its end
+            return (Draining(turn.holder, closed_at=closed, paid_to=f.now, sharing=turn.sharing),
+                    (Charge(turn.holder, f.unpaid),))
+        return Draining(turn.holder, closed_at=closed, paid_to=turn.paid_to,
+                        sharing=turn.sharing), ()
     return Draining(turn.holder, closed_at=f.now, paid_to=turn.paid_to, sharing=turn.sharing), ()
 
 
@@ -1068,6 +1097,8 @@ TABLE: tuple[Row, ...] = (
         "end the turn, paid to its last activity; grant"),
     Row("idle", (Holding,), lambda s, f: f.gives_up, (Draining,), _close,
         "idle, and it gives the GPU up", "close (pay the slice if it is over)"),
+    Row("ended", (Holding,), lambda s, f: f.ended, (Holding, Idle), _answered,
+        "slice over, with company or others, and it closed itself", "end the turn; grant"),
     Row("turns", (Holding,), lambda s, f: f.slice_over and bool(f.others or f.company),
         (Draining,), _close, "slice over, with company or others", "close; pay the slice"),
     Row("spent", (Holding,), lambda s, f: f.slice_over and not f.may_renew, (Draining,),
@@ -1335,6 +1366,7 @@ class SliceScheduler:
             waiting=waiting,
             answered=holder is not None and observed.get(holder, NOTHING).answered,
             said_idle=holder is not None and observed.get(holder, NOTHING).idle,
+            closed_itself=holder is not None and observed.get(holder, NOTHING).closed_itself,
             late=dict(self._late), barred=frozenset(self._barred),
             credits={n: (accounts[n].credit, accounts[n].cap_credit) for n in names},
             rested={n: seen[n].rested for n in waiting},
@@ -1399,38 +1431,49 @@ class SliceScheduler:
         if isinstance(state, Holding) and row.name in ("slice", "renewed"):
             holder = state.holder
             idle_at = NEVER
+            company = bool(f.others or f.company)
             if f.gives_up_when_idle(holder, bool(f.others), self._late):
                 idle_at = f.holder_active + self.idle_grace
             return self._decision(frozenset({holder}), state.slice_end, f, idle_at,
-                                  lone=not f.others and not self._late)
+                                  lone=not f.others and not self._late, closes=company)
         pool = f.waiting - {f.holder} if row.name == "cut" and f.holder else f.waiting
         if isinstance(state, Holding):  # a grant
             company = len(pool) > 1
             idle_at = now + self.idle_grace if f.gives_up_when_idle(
                 state.holder, company, self._late) else NEVER
             return self._decision(frozenset({state.holder}), state.slice_end, f, idle_at,
-                                  lone=not company and not self._late)
+                                  lone=not company and not self._late, closes=company)
         return self._decision(frozenset(), f.grant(pool).wake_at, f)
 
     def _decision(self, open_: frozenset[str], wake_at: float, f: Facts,
-                  idle_at: float = NEVER, *, lone: bool = False) -> SliceDecision:
+                  idle_at: float = NEVER, *, lone: bool = False,
+                  closes: bool = False) -> SliceDecision:
         """The decision to step again at `wake_at` at the latest, and at `idle_at`
         if only to see whether the holder went idle (`IdleWatch`; `lone`: nobody
-        else waits for the GPU, so the watch may be patient)."""
+        else waits for the GPU, so the watch may be patient). `closes`: `wake_at`
+        is the end of a slice that another container waits for
+        (`SliceDecision.close_at`)."""
+        close_at = wake_at if closes else None
+        others_at = NEVER  # every deadline but the slice's end
         if self._late or self._barred:  # a cut, an audit's end
             deadlines = (late.deadline for late in self._late.values()
                          if late.deadline is not None)
-            wake_at = min((wake_at, *deadlines, *self._barred.values()))
+            others_at = min((others_at, *deadlines, *self._barred.values()))
         armed, rested_at = self._arm(open_, f)
         self._activity.armed = armed
-        wake_at = min(wake_at, rested_at)
+        others_at = min(others_at, rested_at)
+        wake_at = min(wake_at, others_at)
+        close_wake = NEVER
+        if close_at is not None:
+            close_wake = min(close_at + self.drain_timeout, others_at)
         holder = self.holder
         watch = None
         if idle_at < wake_at and holder is not None:
             watch = IdleWatch(holder, at=idle_at, grace=self.idle_grace, otherwise=wake_at,
                               patience=self.quantum if lone else self.idle_grace)
         return SliceDecision(open=open_, holder=holder, wake_at=min(wake_at, idle_at),
-                             shares=self._shares, armed=armed, idle_watch=watch)
+                             shares=self._shares, armed=armed, idle_watch=watch,
+                             close_at=close_at, close_wake=close_wake)
 
     def _arm(self, open_: frozenset[str], f: Facts) -> tuple[frozenset[str], float]:
         """The containers that would take the GPU at once if they waited now (as

@@ -48,8 +48,12 @@ class SimulatedPort:
         return {**seen, **{name: Observation() for name in self.idle}}
 
     def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
-              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None) -> None:
+              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None,
+              close_at: tuple[str, int] | None = None) -> None:
         pass
+
+    def closes_itself(self, name: str) -> bool:
+        return False
 
     def heartbeat(self, now_ns: int) -> None:
         self.beats.append(now_ns)
@@ -209,3 +213,84 @@ def test_a_scheduler_that_never_lets_it_sleep_is_paused() -> None:
     port.dispatcher.run()
     # 100 waits for nothing, then one a millisecond: about 1000 in the second
     assert SPIN_WAITS <= port.wakes <= SPIN_WAITS + SECOND // SPIN_PAUSE_NS + 2, port.wakes
+
+
+ANSWER_NS = 1_000_000  # from a close (or the slice's end) to the drain's answer
+
+
+class DrainingPort(SimulatedPort):
+    """Two busy containers whose drains answer ANSWER_NS after their close;
+    `closing`: their processes close themselves at the slice's end they were
+    told, and answer that close ahead, with a ring (a ring is a wake here)."""
+
+    def __init__(self, closing: bool, seconds: float) -> None:
+        super().__init__({"a", "b"}, set(), seconds)
+        self.closing = closing
+        self.open: frozenset[str] = frozenset()
+        self.told: tuple[str, int] | None = None
+        self.answer_at: dict[str, int] = {}  # the answer to each one's last close
+
+    def ahead(self) -> tuple[str, int] | None:
+        """The holder closing itself, and when its answer comes."""
+        if self.closing and self.told is not None and self.told[0] in self.open:
+            return self.told[0], self.told[1] + ANSWER_NS
+        return None
+
+    def observe(self) -> Mapping[str, Observation]:
+        self.launches += 1
+        ahead = self.ahead()
+        return {n: Observation(waiting=True, launches=self.launches,
+                               answered=self.now >= self.answer_at.get(n, 0),
+                               closed_itself=ahead is not None and ahead[0] == n
+                               and self.now >= ahead[1])
+                for n in self.busy}
+
+    def apply(self, open_: frozenset[str], now_ns: int, queue_ns: int = 0,
+              armed: frozenset[str] = frozenset(), watch: IdleWatch | None = None,
+              close_at: tuple[str, int] | None = None) -> None:
+        ahead = self.ahead()
+        for name in self.open - open_:
+            answered_ahead = ahead is not None and ahead[0] == name and ahead[1] <= now_ns
+            self.answer_at[name] = ahead[1] if answered_ahead and ahead else now_ns + ANSWER_NS
+        self.open, self.told = open_, close_at
+
+    def closes_itself(self, name: str) -> bool:
+        return self.closing
+
+    def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
+             answers_of: str | None = None) -> str | None:
+        rings = {n: at for n, at in self.answer_at.items() if at > self.now and n not in quiet}
+        if (ahead := self.ahead()) is not None and ahead[1] > self.now and ahead[0] not in quiet:
+            rings[ahead[0]] = ahead[1]
+        ringer = min(rings, key=rings.__getitem__, default=None)
+        if ringer is None or rings[ringer] >= deadline_ns:
+            return super().wait(deadline_ns, quiet, holder, answers_of)
+        self.now = rings[ringer]
+        self.wakes += 1
+        if self.now >= self.end:
+            assert self.dispatcher is not None
+            self.dispatcher.stop()
+        return ringer
+
+
+@pytest.mark.parametrize("closing", [False, True], ids=["closed by the daemon", "closing"])
+def test_a_holder_that_closes_itself_costs_one_wake_a_switch(closing: bool) -> None:
+    """Two busy containers take turns: the dispatcher wakes at each slice's end
+    to close it and again on the drain's answer; where the holder's processes
+    close themselves at the end they were told, it wakes on the answer only,
+    and the turns are as many and as long."""
+    port = DrainingPort(closing, seconds=10)
+    config = GpuConfig(policy=Policy.WEIGHTED,
+                       containers={n: ContainerSpec(weight=1) for n in port.busy})
+    dispatcher = port.dispatcher = Dispatcher(0, port, config, clock=lambda: port.now)
+    dispatcher.run()
+    figures = dispatcher.figures()
+    per_switch = port.wakes / figures.switches
+    print(f"{figures.switches} switches in 10 s, {per_switch:.2f} wakes a switch")
+    assert figures.switches >= 10 / 0.022 * 0.95, "a turn is a quantum and a drain"
+    if closing:
+        assert per_switch < 1.1
+        assert figures.moves["ended"] >= figures.switches - 1, figures.moves
+    else:
+        assert per_switch > 1.9
+    assert figures.used["a"] == pytest.approx(figures.used["b"], rel=0.01)

@@ -241,3 +241,57 @@ def test_a_gate_closed_after_arming_holds_launches_again(sandbox: Sandbox) -> No
     out, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, out + err
     assert region.activity(0).pending == 0
+
+
+def drain_answer(region: region_mod.Region, seq: int) -> region_mod.ProcGpu:
+    """The process's slot line once it has answered close `seq`."""
+    deadline = time.monotonic() + 30  # a hang guard only
+    while True:
+        lines = [region.slot_gpu(slot, 0) for slot in region.live_slots()]
+        if lines and lines[0].drained_seq == seq:
+            return lines[0]
+        assert time.monotonic() < deadline, f"close {seq} never answered: {lines}"
+        time.sleep(0.005)
+
+
+def test_a_process_stops_at_its_slices_end_and_answers_the_close_ahead(
+        sandbox: Sandbox) -> None:
+    """The gate stays open, but the slice's end the daemon named has come: the
+    process's watcher waits for its queued kernel, answers the close to come
+    (close_seq + 1) and rings; its next launch waits as at a closed gate. The
+    daemon's close is then answered already (no second answer); a new grant
+    with no end lets the launch go."""
+    region = sandbox.make_region(1 << 30)
+    sandbox.start_heartbeat()
+    started = time.monotonic_ns()
+    proc = sandbox.popen([str(sandbox.built.workload), "launch", "1", "sleep_200000",
+                          "wait", "launch", "1", "sleep_0"])
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "launch 1 rc=0\n"
+        assert proc.stdout.readline() == "waiting\n"
+        [slot] = region.live_slots()
+        assert region.slot_gpu(slot, 0).closes_itself == 1, "its slot says it does"
+        seq, bell = region.close_seq(0), region.doorbell(0)
+        region.set_close_at(0, time.monotonic_ns())
+        line = drain_answer(region, seq + 1)
+        assert line.drained_ns >= started + 200_000_000, "answered once its kernel had run"
+        assert region.doorbell(0) > bell, "and rang"
+        assert region.gate_is_open(0), "the daemon closed nothing"
+        assert region.close_seq(0) == seq
+        go(proc)
+        wait_pending(region, 1)
+        wait_parked(proc)
+        assert proc.poll() is None, "a launch went through after the slice's end"
+        answered = region.slot_gpu(slot, 0).drained_ns
+        region.set_gate(0, False)
+        assert region.close_seq(0) == seq + 1, "the close it answered ahead"
+        region.set_close_at(0, 0)
+        region.set_gate(0, True)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, out + err
+        assert out.endswith("launch 1 rc=0\n")
+        assert region.slot_gpu(slot, 0).drained_ns == answered, "one answer for that close"
+    finally:
+        proc.kill()
+        proc.communicate()

@@ -217,15 +217,22 @@ def test_a_grant_to_a_watched_holder_wakes_its_watchers(tmp_path: Path) -> None:
     gate: a watcher that woke for the ask found the gate closed and slept again,
     and its process's launches do not wake it, so the grant must, else no idle
     report comes until the watcher's own look a second later. A grant nobody
-    asked to watch wakes no watcher."""
+    asked to watch wakes no watcher. The ask (or the slice's end) before the
+    grant wakes nobody: the grant does, once for both."""
     with make(tmp_path) as r:
         wake = r._control.wake
         r.set_gate(1, True)
         assert r._control.wake == wake, "nobody asked: no wake"
         r.set_idle_grace(0, 2_000_000)
-        assert r._control.wake == wake + 1, "the ask wakes them"
+        r.set_close_at(0, time.monotonic_ns() + 20_000_000)
+        assert r._control.wake == wake, "asked while closed: the grant wakes them"
         assert watcher_woken(r, lambda: r.set_gate(0, True), "the grant")
         assert r.gate_is_open(0)
+        assert r._control.wake == wake + 1, "once"
+        r.set_idle_grace(1, 2_000_000)
+        assert r._control.wake == wake + 2, "asked while open: at once"
+        r.set_close_at(1, time.monotonic_ns() + 20_000_000)
+        assert r._control.wake == wake + 3, "told while open: at once"
 
 
 def test_heartbeat(tmp_path: Path) -> None:

@@ -74,6 +74,66 @@ def test_a_slice_with_company_ends_in_a_drain() -> None:
     assert s.draining
 
 
+def test_a_slice_with_company_names_its_end_and_a_lone_one_does_not() -> None:
+    """The decision names the end of a slice another container waits for
+    (`close_at`), and when to step at the latest if the holder closes itself
+    then: at the drain limit after that end (`close_wake`)."""
+    s = scheduler("a", "b")
+    decision = s.step(0.0, {"a": WAITING, "b": WAITING})
+    assert decision.holder == "b"
+    assert decision.close_at == pytest.approx(0.02)
+    assert decision.close_wake == pytest.approx(0.12)
+    decision = s.step(0.01, {"a": WAITING, "b": busy(1)})
+    assert decision.close_at == pytest.approx(0.02), "the same end as the slice goes on"
+    lone = scheduler("a")
+    decision = lone.step(0.0, {"a": WAITING})
+    assert decision.close_at is None, "nobody waits: its slice may be renewed"
+
+
+def test_a_holder_seen_after_its_named_end_drains_from_that_end() -> None:
+    """A holder that closed itself at its slice's end is stepped on its answer,
+    later: it is charged until then, but its drain began at the end, so one
+    that never answers is cut at the drain limit after the end (not after the
+    late step)."""
+    def one_to_nine() -> SliceScheduler:  # a is never owed enough to take the GPU
+        config = GpuConfig(policy=Policy.PREEMPTIVE, containers={"a": W(1), "b": W(9)})
+        s = SliceScheduler(config, quantum=0.02, drain_timeout=0.1)
+        assert s.step(0.0, {"a": WAITING, "b": WAITING}).close_at == pytest.approx(0.02)
+        return s
+
+    s = one_to_nine()
+    s.step(0.03, {"a": WAITING, "b": SILENT})
+    assert state(s) == Draining("b", closed_at=0.02, paid_to=0.03)
+    assert s.used()["b"] == pytest.approx(0.03)
+    s.step(0.03, {"a": WAITING, "b": Observation(waiting=True, launches=1)})
+    assert s.holder == "a", "answered: granted in the step after"
+    hostile = one_to_nine()
+    wake = hostile.step(0.0, {"a": WAITING, "b": busy(1)}).close_wake
+    assert wake == pytest.approx(0.12)
+    hostile.step(wake, {"a": WAITING, "b": SILENT})
+    hostile.step(wake, {"a": WAITING, "b": SILENT})
+    assert hostile.holder == "a", "0.1 s after its end"
+    assert hostile.late == {"b"}
+
+
+def test_a_holder_that_closed_itself_at_its_end_is_not_waited_for() -> None:
+    """Its processes stopped at the end they were told and answered the close to
+    come: the step that sees it ends its turn, charged until then, and grants
+    (no drain to await)."""
+    s = scheduler("a", "b")
+    s.step(0.0, {"a": WAITING, "b": WAITING})
+    decision = s.step(0.021, {"a": WAITING, "b": Observation(waiting=True, closed_itself=True)})
+    assert decision.holder == "a"
+    assert state(s) == Holding("a", slice_start=0.021, slice_end=0.041, paid_to=0.021)
+    assert s.used()["b"] == pytest.approx(0.021)
+    assert s.moves_by_row()["ended"] == 1
+    early = scheduler("a", "b")
+    early.step(0.0, {"a": WAITING, "b": WAITING})
+    early.step(0.01, {"a": WAITING, "b": Observation(waiting=True, closed_itself=True)})
+    assert early.holder == "b", "before its end: its slice goes on"
+    assert isinstance(state(early), Holding)
+
+
 def test_an_answer_ends_the_drain_and_grants_in_the_same_step() -> None:
     s = draining_b()
     decision = s.step(0.025, {"a": WAITING, "b": Observation(waiting=True, launches=1)})

@@ -110,6 +110,10 @@ def chosen_runs() -> list[Moves]:
               (0.0, {"a": WAITING}), (0.2, {"a": WAITING}),
               (0.2005, {"a": Observation(waiting=True, answered=True)}),
               (0.21, {"a": WAITING})),
+        # a holder that closed itself at the end it was told: no drain awaited
+        drive(SliceScheduler(weighted, quantum=0.02),
+              (0.0, {"a": WAITING, "b": WAITING}),
+              (0.021, {"a": WAITING, "b": Observation(waiting=True, closed_itself=True)})),
         # back from policy 5: Idle, then a grant
         drive(back, (0.01, {}), (0.02, {"a": WAITING})),
     ]
