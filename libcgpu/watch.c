@@ -141,14 +141,14 @@ static void answer(int g, uint64_t seq)
  * the slice's end (UINT64_MAX: none, or answered). */
 static uint64_t close_itself(const struct cgpu_control *r, int g, uint64_t *answered)
 {
-    uint64_t at = __atomic_load_n(&r->gpu[g].close_at_ns, __ATOMIC_ACQUIRE);
-    if (at == 0)
-        return UINT64_MAX;
-    /* the count of closes on both sides of the gate's load: the gate was open
-     * while close_seq was `seq`, so the next close is seq + 1 */
+    /* The count of closes on both sides of the gate's load: the gate was open
+     * while close_seq was `seq`, so the next close is seq + 1. The end after
+     * the gate: the daemon writes it before it opens the gate, so this is the
+     * grant's, not the last one's. */
     uint64_t seq = __atomic_load_n(&r->gpu[g].close_seq, __ATOMIC_SEQ_CST);
     uint32_t gate = __atomic_load_n(&r->gpu[g].gate, __ATOMIC_SEQ_CST);
-    if (gate != CGPU_GATE_OPEN || *answered == seq + 1 ||
+    uint64_t at = __atomic_load_n(&r->gpu[g].close_at_ns, __ATOMIC_SEQ_CST);
+    if (gate != CGPU_GATE_OPEN || at == 0 || *answered == seq + 1 ||
         __atomic_load_n(&r->gpu[g].close_seq, __ATOMIC_SEQ_CST) != seq)
         return UINT64_MAX;
     uint64_t now = cgpu_now_ns();

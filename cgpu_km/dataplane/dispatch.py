@@ -49,6 +49,7 @@ from cgpu_km.sched import (
     SliceScheduler,
 )
 from cgpu_km.sched.grants import EVERYONE, GrantHistory, GrantLog
+from cgpu_km.sched.slices import Draining, Holding, State
 
 log = logging.getLogger("cgpu-daemon")
 
@@ -364,7 +365,10 @@ class Dispatcher:
     def run(self) -> None:
         """Until `stop`: step, beat, sleep; on the way out every gate opens."""
         next_beat = 0
-        drain_wakes = 0  # by the holder's rings, in the drain under way
+        # By the rings of the holder whose answer is awaited (in its drain, or at
+        # the slice's end it closes itself at), in this slice or drain of it.
+        drain_wakes = 0
+        awaited: tuple[str, float] | None = None  # that slice or drain (`_span`)
         step_at = deadline = 0.0  # when the scheduler wants its next step; the wait's end
         ringer: str | None = None
         spinning = 0  # waits in a row whose deadline had passed
@@ -386,23 +390,26 @@ class Dispatcher:
                         self._grants.alive(now / 1e9)
                         self._stamped = stamped
                 with self._lock:
-                    late, draining = self._scheduler.late, self._scheduler.draining
-                # Rings that are answers: those of the holder while it drains (until
-                # it has rung too often: then it is polled), of those cut before
-                # they answered, and of a holder watched for going idle. Anyone else
+                    late, state = self._scheduler.late, self._scheduler.state
+                draining = isinstance(state, Draining)
+                # Rings that are answers: those of the holder while it drains or
+                # closes itself at its slice's end (until it has rung too often in
+                # that slice or drain: then it is polled), of those cut before they
+                # answered, and of a holder watched for going idle. Anyone else
                 # already seen waiting, or holding the GPU, tells nothing new by
                 # ringing (a hostile one may ring without end).
                 answering = set(late)
                 if decision.idle_watch is not None:
                     answering.add(decision.idle_watch.holder)
-                if decision.holder is not None and self._closes_itself(decision):
-                    answering.add(decision.holder)
                 answers_of = None
-                if not draining or decision.holder is None:
-                    drain_wakes = 0
+                span = _span(state) if draining or self._closes_itself(decision) else None
+                if span != awaited:
+                    awaited, drain_wakes = span, 0
+                if awaited is None:
+                    pass
                 elif drain_wakes < DRAIN_WAKES:
-                    answering.add(decision.holder)
-                    answers_of = decision.holder
+                    answering.add(awaited[0])
+                    answers_of = awaited[0]
                 else:
                     step_at = min(step_at, now + DRAIN_POLL_NS)
                 deadline = min(step_at, next_beat + BEAT_SLACK_NS)
@@ -422,7 +429,7 @@ class Dispatcher:
                 if ringer is None and (late_ns := self.clock() - deadline) >= 0:
                     count, total, most = self._late
                     self._late = (count + 1, total + late_ns / 1e9, max(most, late_ns / 1e9))
-                if draining and ringer is not None and ringer == decision.holder:
+                if awaited is not None and ringer == awaited[0]:
                     drain_wakes += 1
         except BaseException as error:  # logged; the daemon's watchdog notices the silence
             self.error = error
@@ -430,6 +437,15 @@ class Dispatcher:
             raise
         finally:
             self.port.open_all()
+
+
+def _span(state: State) -> tuple[str, float] | None:
+    """A holder's slice or drain as its rings are counted: (holder, its start)."""
+    if isinstance(state, Holding):
+        return state.holder, state.slice_start
+    if isinstance(state, Draining):
+        return state.holder, state.closed_at
+    return None
 
 
 class RegionPort:
@@ -609,7 +625,7 @@ class RegionPort:
             # The ring after the answer: read the doorbell first, so that an answer
             # that comes after the look is a ring the next wait sees.
             rung = region.doorbell(k)
-            if self._answered(region, k):
+            if self._heard(region, k):
                 break
             words[woken] = (words[woken][0], rung, True)
             woken = self._waits.wait(words, deadline_ns)
@@ -625,14 +641,16 @@ class RegionPort:
         return ringer
 
     @staticmethod
-    def _answered(region: Region, k: int) -> bool:
+    def _heard(region: Region, k: int) -> bool:
         """Whether every watching process of the container answered GPU k's latest
-        close (as `observe` counts it); while its gate is open, the close to come
-        (a process that closed itself at its slice's end answers ahead)."""
-        close_seq = region.close_seq(k) + region.gate_is_open(k)
+        close (as `observe` counts it); while its gate is open, whether each
+        answered the close to come (it closed itself at its slice's end) or said
+        it went idle: either is news for a step."""
+        is_open = region.gate_is_open(k)
+        close_seq = region.close_seq(k) + is_open
         for slot in region.live_slots():
             line = region.slot_gpu(slot, k)
-            if line.watching and line.drained_seq != close_seq:
+            if line.watching and line.drained_seq != close_seq and not (is_open and line.idle_ns):
                 return False
         return True
 

@@ -820,9 +820,10 @@ class Facts:
         under way (a grant now would pick it), by OWED_QUANTA quanta of credit,
         counting what the slice has cost the holder so far: a container whose
         processes overlap their requests never rests, yet its requests should
-        not wait out a busy holder's slices. (A drain is waited for as before.)"""
+        not wait out a busy holder's slices. (A drain is waited for as before,
+        and so is a slice that is over: its holder closes, or closed itself.)"""
         turn = self.turn
-        if not isinstance(turn, Holding):
+        if not isinstance(turn, Holding) or self.slice_over:
             return False
         mine = self.credits[name][0]
         theirs = self.credit_after_turn(turn.holder)[0]
