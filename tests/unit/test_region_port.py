@@ -1,5 +1,7 @@
 """RegionPort.apply writes only the gates whose want changed: after any run of
-applies every region holds what one full write of the last apply would."""
+applies every region holds what one full write of the last apply would; and
+a slice's end that has come is never moved while its gate stays open: the
+gate closes and opens again."""
 
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ from cgpu_km.sched import IdleWatch
 
 NAMES = ("a", "b", "c", "d")
 
+PAST, FUTURE = 1, 2**62  # a slice's end that has come, and one that has not
+
 names = st.frozensets(st.sampled_from(NAMES))
+ends = st.none() | st.tuples(st.sampled_from(NAMES), st.sampled_from((PAST, FUTURE, FUTURE + 1)))
 applies = st.lists(
     st.tuples(names, names, st.sampled_from((0, region_mod.CONTENDED_QUEUE_NS)),
-              st.none() | st.sampled_from(NAMES), st.booleans()),
+              st.none() | st.sampled_from(NAMES), st.booleans(), ends),
     min_size=1, max_size=12)
+Run = tuple[frozenset[str], frozenset[str], int, str | None, bool, tuple[str, int] | None]
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +43,36 @@ def regions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, regi
 
 @given(applies)
 # the watch moves between two holders whose gates stay open
-@example(runs=[(frozenset("ab"), frozenset(), 0, "a", False),
-               (frozenset("ab"), frozenset(), 0, "b", False)])
+@example(runs=[(frozenset("ab"), frozenset(), 0, "a", False, None),
+               (frozenset("ab"), frozenset(), 0, "b", False, None)])
+# a holder's end comes, and it is told another while its gate stays open
+@example(runs=[(frozenset("a"), frozenset(), 0, None, False, ("a", PAST)),
+               (frozenset("a"), frozenset(), 0, None, False, ("a", FUTURE))])
 def test_apply_leaves_every_gate_as_a_full_write_would(
-        regions: dict[str, region_mod.Region],
-        runs: list[tuple[frozenset[str], frozenset[str], int, str | None, bool]]) -> None:
+        regions: dict[str, region_mod.Region], runs: list[Run]) -> None:
     port = RegionPort(0)
     entries = {name: (region, 0) for name, region in regions.items()}
     port.set_entries(entries)
     port.open_all()  # every gate open, whatever the last example left
-    for open_, armed, queue_ns, watched, new_entries in runs:
+    told = dict.fromkeys(NAMES, 0)  # the ends the open gates were told
+    for open_, armed, queue_ns, watched, new_entries, close_at in runs:
         if new_entries:  # a container restarted: the same regions, a new map
             port.set_entries(dict(entries))
         armed = armed - open_
         watch = None if watched is None else IdleWatch(watched, at=1.0, grace=0.002,
                                                         otherwise=2.0)
-        port.apply(open_, time.monotonic_ns(), queue_ns, armed, watch)
+        closes = {name: region.close_seq(0) for name, region in regions.items()}
+        was_open = {name for name, region in regions.items() if region.gate_is_open(0)}
+        port.apply(open_, time.monotonic_ns(), queue_ns, armed, watch, close_at)
+        for name in NAMES:
+            end = close_at[1] if close_at is not None and close_at[0] == name else 0
+            if name not in open_:
+                told[name] = 0  # a closed gate's end is not read
+                continue
+            assert regions[name].close_at_ns(0) == end, name
+            moved = name in was_open and told[name] not in (0, FUTURE, FUTURE + 1, end)
+            assert regions[name].close_seq(0) == closes[name] + moved, (name, told[name], end)
+            told[name] = end
         for name, region in regions.items():
             gate = (region_mod.GATE_OPEN if name in open_ else
                     region_mod.GATE_ARMED if name in armed else region_mod.GATE_CLOSED)
