@@ -95,13 +95,13 @@ that is gone). `SliceScheduler.moves` counts the moves taken::
 
     row        from              when                           to
     native     any               policy 5                       Native
+    ended      Holding           slice over, with company or    Holding/Idle
+                                 others, and it closed itself
     handover   Holding/Draining  a container is waking          Holding
     preempted  Holding           preempted                      Draining
     quit       Holding           idle, said so, and it gives    Holding/Idle
                                  the GPU up
     idle       Holding           idle, and it gives the GPU up  Draining
-    ended      Holding           slice over, with company or    Holding/Idle
-                                 others, and it closed itself
     turns      Holding           slice over, with company or    Draining
                                  others
     spent      Holding           slice over, and it may not     Draining
@@ -820,10 +820,9 @@ class Facts:
         under way (a grant now would pick it), by OWED_QUANTA quanta of credit,
         counting what the slice has cost the holder so far: a container whose
         processes overlap their requests never rests, yet its requests should
-        not wait out a busy holder's slices. (A drain is waited for as before,
-        and so is a slice that is over: its holder closes, or closed itself.)"""
+        not wait out a busy holder's slices. (A drain is waited for as before.)"""
         turn = self.turn
-        if not isinstance(turn, Holding) or self.slice_over:
+        if not isinstance(turn, Holding):
             return False
         mine = self.credits[name][0]
         theirs = self.credit_after_turn(turn.holder)[0]
@@ -1088,6 +1087,8 @@ TABLE: tuple[Row, ...] = (
     Row("native", (Idle, Holding, Draining, Native), _is_native, (Native,), _native,
         "policy 5",
         "end the turn; charge the open gates; a capped one out of cap credit closes, late"),
+    Row("ended", (Holding,), lambda s, f: f.ended, (Holding, Idle), _answered,
+        "slice over, with company or others, and it closed itself", "end the turn; grant"),
     Row("handover", (Holding, Draining), lambda s, f: bool(f.waking), (Holding,), _hand_over,
         "a container is waking",
         "end the turn; the holder late (to its drain limit); grant a waker, shared"),
@@ -1098,8 +1099,6 @@ TABLE: tuple[Row, ...] = (
         "end the turn, paid to its last activity; grant"),
     Row("idle", (Holding,), lambda s, f: f.gives_up, (Draining,), _close,
         "idle, and it gives the GPU up", "close (pay the slice if it is over)"),
-    Row("ended", (Holding,), lambda s, f: f.ended, (Holding, Idle), _answered,
-        "slice over, with company or others, and it closed itself", "end the turn; grant"),
     Row("turns", (Holding,), lambda s, f: f.slice_over and bool(f.others or f.company),
         (Draining,), _close, "slice over, with company or others", "close; pay the slice"),
     Row("spent", (Holding,), lambda s, f: f.slice_over and not f.may_renew, (Draining,),
