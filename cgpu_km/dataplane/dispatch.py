@@ -213,6 +213,7 @@ class Dispatcher:
         self._launches: dict[str, int] = {}  # of those it armed, counted at the last step
         self._late = (0, 0.0, 0.0)  # Figures.late
         self.error: BaseException | None = None
+        self.serving = threading.Event()  # its thread is named and at its priority
 
     @property
     def scheduler(self) -> SliceScheduler:
@@ -360,6 +361,7 @@ class Dispatcher:
     def serve(self) -> None:
         """The body of the GPU's own thread: named, at its priority, `run`."""
         self.scheduling = raise_priority(self.priority, self.gpu)
+        self.serving.set()
         self.run()
 
     def run(self) -> None:

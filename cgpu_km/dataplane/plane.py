@@ -34,6 +34,8 @@ from cgpu_km.dataplane.usage import UsageReader, UsageView
 from cgpu_km.sched import QUANTUM, GpuConfig
 from cgpu_km.tree.views import Key
 
+SERVE_WAIT = 5.0  # seconds a new dispatcher's thread may take to name itself
+
 log = logging.getLogger("cgpu-daemon")
 
 
@@ -86,7 +88,15 @@ class RegionPlane:
                 self._ports[gpu], self._dispatchers[gpu], self._threads[gpu] = (
                     port, dispatcher, thread)
                 thread.start()
-                return
+                started = dispatcher
+            else:
+                started = None
+        if started is not None:
+            # Named and at its priority before anything reports on it (the next
+            # snapshot says what it runs under); a thread that never gets the CPU
+            # holds nobody up for long.
+            started.serving.wait(SERVE_WAIT)
+            return
         dispatcher.configure(config)
 
     def forget_gpu(self, gpu: int) -> None:
