@@ -123,7 +123,7 @@ class GpuPort(Protocol):
         (a ring, and `Observation.active_at` after it); `close_at`: (the holder,
         ns) tell its processes when its slice ends."""
 
-    def closes_itself(self, name: str) -> bool:
+    def closes_at_end(self, name: str) -> bool:
         """Whether every process of `name` that answers closes stops by itself at
         the slice's end it was told and answers ahead (as of the last observe)."""
 
@@ -303,14 +303,14 @@ class Dispatcher:
                       ",".join(sorted(n for n, o in observed.items() if not o.answered)) or "-")
         return decision
 
-    def _wake_at(self, decision: SliceDecision) -> float:
+    def _wake_at(self, decision: SliceDecision, closes_at_end: bool) -> float:
         """When to step at the latest: the scheduler's time, but a watch for the
         holder going idle only once it said it is (it rings when it does), and
         the end of a slice only if its holder does not close itself then (it
         rings with its answer)."""
         watch = decision.idle_watch
         otherwise = decision.wake_at if watch is None else watch.otherwise
-        if self._closes_itself(decision):
+        if closes_at_end:
             otherwise = decision.close_wake
         if watch is None:
             return otherwise
@@ -319,10 +319,10 @@ class Dispatcher:
             return min(watch.at, otherwise)
         return otherwise
 
-    def _closes_itself(self, decision: SliceDecision) -> bool:
+    def _closes_at_end(self, decision: SliceDecision) -> bool:
         """The holder was told its slice's end and closes itself then."""
         return (decision.close_at is not None and decision.holder is not None
-                and self.port.closes_itself(decision.holder))
+                and self.port.closes_at_end(decision.holder))
 
     def audit(self, name: str, length: float, why: str) -> None:
         """Ask for an audit of `name` (`cgpu_km.sched.overuse`): a quiet span of
@@ -382,8 +382,10 @@ class Dispatcher:
                 # Woken early (a ring, a kick, an idle holder) or for the scheduler: a step.
                 if ringer is not None or configured or now < deadline or now >= step_at:
                     decision = self.step()
+                    closes_at_end = self._closes_at_end(decision)
                     now = self.clock()
-                    step_at = min(self._wake_at(decision) * 1e9, now + IDLE_WAKE_NS)
+                    step_at = min(self._wake_at(decision, closes_at_end) * 1e9,
+                                  now + IDLE_WAKE_NS)
                 if now >= next_beat - BEAT_SLACK_NS:
                     stamped = frozenset(self._observed)
                     self.port.heartbeat(now)
@@ -404,15 +406,13 @@ class Dispatcher:
                 if decision.idle_watch is not None:
                     answering.add(decision.idle_watch.holder)
                 answers_of = None
-                span = _span(state) if draining or self._closes_itself(decision) else None
+                span = _span(state) if draining or closes_at_end else None
                 if span != awaited:
                     awaited, drain_wakes = span, 0
-                if awaited is None:
-                    pass
-                elif drain_wakes < DRAIN_WAKES:
+                if awaited is not None and drain_wakes < DRAIN_WAKES:
                     answering.add(awaited[0])
                     answers_of = awaited[0]
-                else:
+                elif awaited is not None:  # rung too often: polled
                     step_at = min(step_at, now + DRAIN_POLL_NS)
                 deadline = min(step_at, next_beat + BEAT_SLACK_NS)
                 spinning = spinning + 1 if deadline <= now else 0
@@ -547,7 +547,7 @@ class RegionPort:
         self._closers = frozenset(closing)
         return found
 
-    def closes_itself(self, name: str) -> bool:
+    def closes_at_end(self, name: str) -> bool:
         return name in self._closers
 
 
@@ -569,12 +569,12 @@ class RegionPort:
             changed |= {n for n in (watched, last_watched) if n is not None}
             changed |= {pair[0] for pair in (close_at, last[4]) if pair is not None}
             names = changed & entries.keys()
-        ends = close_at[1] if close_at is not None and close_at[0] in open_ else 0
+        ender, ends = close_at if close_at is not None and close_at[0] in open_ else (None, 0)
         for name in names:
             region, k = entries[name]
             is_open = name in open_
             want = (is_open, name in armed, queue_ns, grace_ns if name == watched else 0,
-                    ends if close_at is not None and name == close_at[0] else 0)
+                    ends if name == ender else 0)
             was = written.get(name)
             if was == (region, want):
                 continue  # most containers at most steps: only the holder's changes

@@ -52,7 +52,7 @@ class SimulatedPort:
               close_at: tuple[str, int] | None = None) -> None:
         pass
 
-    def closes_itself(self, name: str) -> bool:
+    def closes_at_end(self, name: str) -> bool:
         return False
 
     def heartbeat(self, now_ns: int) -> None:
@@ -254,7 +254,7 @@ class DrainingPort(SimulatedPort):
             self.answer_at[name] = ahead[1] if answered_ahead and ahead else now_ns + ANSWER_NS
         self.open, self.told = open_, close_at
 
-    def closes_itself(self, name: str) -> bool:
+    def closes_at_end(self, name: str) -> bool:
         return self.closing
 
     def wait(self, deadline_ns: int, quiet: Set[str], holder: str | None,
