@@ -1,7 +1,8 @@
 """RegionPort.apply writes only the gates whose want changed: after any run of
 applies every region holds what one full write of the last apply would; and
 a slice's end that has come is never moved while its gate stays open: the
-gate closes and opens again."""
+gate closes and opens again. And a holder closes itself at its end only if
+every one of its watching processes says it does."""
 
 from __future__ import annotations
 
@@ -80,3 +81,47 @@ def test_apply_leaves_every_gate_as_a_full_write_would(
             assert region.queue_ns(0) == queue_ns, name
             grace = 2_000_000 if name == watched and name in open_ else 0
             assert region._gpu(0).idle_grace_ns == grace, name
+
+
+def test_a_holder_closes_itself_at_its_end_only_if_every_watcher_says_so(
+        tmp_path: Path) -> None:
+    """A process of an older libcgpu (or one that says nothing) does not stop at
+    the end it is told: while one watching process of the holder lacks
+    `closes_itself` in its slot, the port says the holder does not close at its
+    end (the dispatcher closes it then); a process that does not watch answers
+    no close and is not asked. The holder closed itself once every watching
+    process answered the close to come while its gate is open."""
+    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
+                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
+    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+        port = RegionPort(0)
+        port.set_entries({"a": (a, 0)})
+        slots = [a._account.proc[i] for i in range(3)]
+        for pid, slot in enumerate(slots, start=1):
+            slot.state, slot.pid = region_mod.SLOT_LIVE, pid
+        a._account.slots_used = 3
+        new, old, silent = (slot.gpu[0] for slot in slots)
+        new.watching, new.closes_itself = 1, 1
+        old.watching = 1
+
+        def observed() -> tuple[bool, bool, bool]:
+            seen = port.observe()["a"]
+            return port.closes_at_end("a"), seen.closed_itself, seen.answered
+
+        assert observed()[0] is False, "one watcher of two says nothing"
+        old.closes_itself = 1
+        assert observed()[0] is True
+        new.watching = old.watching = 0
+        assert observed()[0] is False, "no watcher: nobody closes it"
+        new.watching = old.watching = 1
+
+        a.set_gate(0, True)
+        ahead = a.close_seq(0) + 1
+        new.drained_seq = ahead
+        assert observed() == (True, False, False), "one answer ahead of two"
+        old.drained_seq = ahead
+        silent.drained_seq = 0  # does not watch: its word is not read
+        assert observed() == (True, True, False)
+        a.set_gate(0, False)  # the daemon's close: the answers ahead are for it
+        assert a.close_seq(0) == ahead
+        assert observed() == (True, False, True)
