@@ -5,22 +5,26 @@
 data plane (configurations, limits, stops) and returns the memory figures a
 test sets; `FakeWatcher` stands for inotify (a pipe). `FakeTarget` and
 `FakeScript` stand for a process pinned for a stop and its OOM script, in
-the trio clock where there is one. Nothing here touches the system; trio's
-mock clock works.
+the trio clock where there is one; `forged_region` is a real region whose
+process slots a test writes as libcgpu would. Nothing else here touches the
+system; trio's mock clock works.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping, Set
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from cgpu_km.dataplane import region as region_mod
 from cgpu_km.dataplane.attribution import ContainerMemory, MemoryView
 from cgpu_km.dataplane.dispatch import Figures
 from cgpu_km.dataplane.stopping import ScriptResult
@@ -28,6 +32,22 @@ from cgpu_km.dataplane.usage import UsageView
 from cgpu_km.sched import GpuConfig
 from cgpu_km.tree.client import ContainerView, GpuView
 from cgpu_km.tree.views import Change, ContainerNodes, GpuNodes, Key, QuickView
+
+
+@contextlib.contextmanager
+def forged_region(base: Path, name: str, slots: int
+                  ) -> Iterator[tuple[region_mod.Region, list[region_mod.ProcSlot]]]:
+    """Container `name`'s region on one GPU under `base`, open, with its first
+    `slots` process slots live as libcgpu's claims leave them (pids 1 to
+    `slots`; the test writes the rest of each slot)."""
+    region_mod.Region.create(region_mod.region_path(name, base), name,
+                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
+    with region_mod.Region.open(region_mod.region_path(name, base)) as region:
+        claimed = [region._account.proc[i] for i in range(slots)]
+        for pid, slot in enumerate(claimed, start=1):
+            slot.state, slot.pid = region_mod.SLOT_LIVE, pid
+        region._account.slots_used = slots
+        yield region, claimed
 
 
 def answering_event() -> threading.Event:

@@ -30,7 +30,7 @@ from cgpu_km.tree import client as treefs
 from cgpu_km.tree.fstree import FsTree
 from cgpu_km.tree.views import CONTAINER_NODES, LOST, Change
 from cgpu_km.tree.watch import InotifyWatcher
-from tests.daemon.fakes import FakePlane
+from tests.daemon.fakes import FakePlane, forged_region
 
 
 def echo(root: Path, relpath: str, value: object) -> None:
@@ -274,16 +274,11 @@ def test_the_port_wakes_its_dispatcher_once_every_drain_answer_came(tmp_path: Pa
     at the holder's slots, not a step over every container). A holder that rings
     without answering wakes it all the same, at the ANSWER_LOOKS-th ring of one
     wait: it cannot keep it asleep."""
-    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
-                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
-    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+    with forged_region(tmp_path, "a", 2) as (a, slots):
         port = RegionPort(0)
         port.set_entries({"a": (a, 0)})
-        slots = [a._account.proc[i] for i in range(2)]
-        for pid, slot in enumerate(slots, start=1):
-            slot.state, slot.pid = region_mod.SLOT_LIVE, pid
+        for slot in slots:
             slot.gpu[0].watching = 1
-        a._account.slots_used = 2
         woken: list[str | None] = []
 
         def closed_and_waiting() -> threading.Thread:

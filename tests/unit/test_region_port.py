@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from cgpu_km.dataplane import region as region_mod
 from cgpu_km.dataplane.dispatch import RegionPort
 from cgpu_km.sched import IdleWatch
+from tests.daemon.fakes import forged_region
 
 NAMES = ("a", "b", "c", "d")
 
@@ -91,15 +92,9 @@ def test_a_holder_closes_itself_at_its_end_only_if_every_watcher_says_so(
     end (the dispatcher closes it then); a process that does not watch answers
     no close and is not asked. The holder closed itself once every watching
     process answered the close to come while its gate is open."""
-    region_mod.Region.create(region_mod.region_path("a", tmp_path), "a",
-                             [region_mod.GpuSpec(0, "", 0, 0)]).close()
-    with region_mod.Region.open(region_mod.region_path("a", tmp_path)) as a:
+    with forged_region(tmp_path, "a", 3) as (a, slots):
         port = RegionPort(0)
         port.set_entries({"a": (a, 0)})
-        slots = [a._account.proc[i] for i in range(3)]
-        for pid, slot in enumerate(slots, start=1):
-            slot.state, slot.pid = region_mod.SLOT_LIVE, pid
-        a._account.slots_used = 3
         new, old, silent = (slot.gpu[0] for slot in slots)
         new.watching, new.closes_itself = 1, 1
         old.watching = 1
