@@ -307,12 +307,10 @@ class Dispatcher:
         """When to step at the latest: the scheduler's time, but a watch for the
         holder going idle only once it said it is (it rings when it does), and
         the end of a slice only if its holder does not close itself then (it
-        rings with its answer) or already answered it (early: no ring is to
-        come)."""
-        watch, holder = decision.idle_watch, decision.holder
+        rings with its answer)."""
+        watch = decision.idle_watch
         otherwise = decision.wake_at if watch is None else watch.otherwise
-        if (closes_at_end and holder is not None
-                and not self._observed.get(holder, NOTHING).closed_itself):
+        if closes_at_end:
             otherwise = decision.close_wake
         if watch is None:
             return otherwise

@@ -271,7 +271,8 @@ class SliceDecision:
     # waits). A caller whose holder's processes stop then by themselves and
     # answer the close ahead (libcgpu's `close_at_ns`) may step on that answer
     # instead: at `close_wake` at the latest (the other deadlines, and the
-    # drain limit after `close_at`), where `wake_at` has the slice's end.
+    # drain limit after `close_at`; `close_at` itself once the holder answered
+    # early), where `wake_at` has the slice's end.
     close_at: float | None = None
     close_wake: float = float("inf")
 
@@ -1435,7 +1436,8 @@ class SliceScheduler:
             if f.gives_up_when_idle(holder, bool(f.others), self._late):
                 idle_at = f.holder_active + self.idle_grace
             return self._decision(frozenset({holder}), state.slice_end, f, idle_at,
-                                  lone=not f.others and not self._late, closes=company)
+                                  lone=not f.others and not self._late, closes=company,
+                                  answered=f.closed_itself)
         pool = f.waiting - {f.holder} if row.name == "cut" and f.holder else f.waiting
         if isinstance(state, Holding):  # a grant
             company = len(pool) > 1
@@ -1447,12 +1449,14 @@ class SliceScheduler:
 
     def _decision(self, open_: frozenset[str], wake_at: float, f: Facts,
                   idle_at: float = NEVER, *, lone: bool = False,
-                  closes: bool = False) -> SliceDecision:
+                  closes: bool = False, answered: bool = False) -> SliceDecision:
         """The decision to step again at `wake_at` at the latest, and at `idle_at`
         if only to see whether the holder went idle (`IdleWatch`; `lone`: nobody
         else waits for the GPU, so the watch may be patient). `closes`: `wake_at`
         is the end of a slice that another container waits for
-        (`SliceDecision.close_at`)."""
+        (`SliceDecision.close_at`); `answered`: its holder already answered that
+        end (early: libcgpu answers at the end, a hostile process at once), so
+        no ring is to come and the step is at the end itself."""
         close_at = wake_at if closes else None
         others_at = NEVER  # every deadline but the slice's end
         if self._late or self._barred:  # a cut, an audit's end
@@ -1465,7 +1469,7 @@ class SliceScheduler:
         wake_at = min(wake_at, others_at)
         close_wake = NEVER
         if close_at is not None:
-            close_wake = min(close_at + self.drain_timeout, others_at)
+            close_wake = min(close_at + (0 if answered else self.drain_timeout), others_at)
         holder = self.holder
         watch = None
         if idle_at < wake_at and holder is not None:

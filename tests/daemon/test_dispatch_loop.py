@@ -254,7 +254,7 @@ class DrainingPort(SimulatedPort):
         for name in self.open - open_:
             answered_ahead = ahead is not None and ahead[0] == name and ahead[1] <= now_ns
             self.answer_at[name] = ahead[1] if answered_ahead and ahead else now_ns + ANSWER_NS
-        if open_ - self.open:
+        if open_ - self.open or close_at != self.told:  # a grant, or a turn again
             self.granted_at = now_ns
         self.open, self.told = open_, close_at
 

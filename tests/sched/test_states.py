@@ -129,9 +129,35 @@ def test_a_holder_that_closed_itself_at_its_end_is_not_waited_for() -> None:
     assert s.moves_by_row()["ended"] == 1
     early = scheduler("a", "b")
     early.step(0.0, {"a": WAITING, "b": WAITING})
-    early.step(0.01, {"a": WAITING, "b": Observation(waiting=True, closed_itself=True)})
+    decision = early.step(0.01, {"a": WAITING, "b": Observation(waiting=True,
+                                                                 closed_itself=True)})
     assert early.holder == "b", "before its end: its slice goes on"
     assert isinstance(state(early), Holding)
+    # It rings no more: the step is at its end, not at the drain limit after.
+    assert decision.close_wake == pytest.approx(0.02)
+    early.step(0.02, {"a": WAITING, "b": Observation(waiting=True, closed_itself=True)})
+    assert early.holder == "a"
+    assert early.moves_by_row()["ended"] == 1
+    # A holder granted again in the step that ended its turn (1:2: the larger
+    # share takes two turns in a row) is asked anew: its answer was the last
+    # turn's.
+    again = SliceScheduler(GpuConfig(policy=Policy.WEIGHTED,
+                                     containers={"a": W(1), "b": W(2)}),
+                           quantum=0.02, drain_timeout=0.1)
+    decision = again.step(0.0, {"a": WAITING, "b": WAITING})
+    regrants = 0
+    for turn in range(1, 30):
+        holder, end = decision.holder, decision.close_at
+        assert holder is not None
+        assert end is not None
+        now = end + 0.001
+        decision = again.step(now, {n: Observation(waiting=True, closed_itself=n == holder)
+                                    for n in "ab"})
+        assert again.moves_by_row()["ended"] == turn
+        assert decision.close_at == pytest.approx(now + 0.02)
+        assert decision.close_wake == pytest.approx(now + 0.02 + 0.1), "its answer is awaited"
+        regrants += decision.holder == holder
+    assert regrants >= 5
 
 
 def test_an_answer_ends_the_drain_and_grants_in_the_same_step() -> None:
