@@ -75,6 +75,7 @@ class RegionPlane:
     def schedule(self, gpu: int, config: GpuConfig, state: Mapping[str, Any] | None) -> None:
         with self._lock:
             dispatcher = self._dispatchers.get(gpu)
+            new = dispatcher is None
             if dispatcher is None:
                 port = RegionPort(gpu)
                 port.set_entries(self.registry.entries_for(gpu))
@@ -88,14 +89,11 @@ class RegionPlane:
                 self._ports[gpu], self._dispatchers[gpu], self._threads[gpu] = (
                     port, dispatcher, thread)
                 thread.start()
-                started = dispatcher
-            else:
-                started = None
-        if started is not None:
+        if new:
             # Named and at its priority before anything reports on it (the next
             # snapshot says what it runs under); a thread that never gets the CPU
             # holds nobody up for long.
-            started.serving.wait(SERVE_WAIT)
+            dispatcher.serving.wait(SERVE_WAIT)
             return
         dispatcher.configure(config)
 
