@@ -15,6 +15,10 @@
  *   info                         cuMemGetInfo: free, total
  *   nvml                         nvmlDeviceGetMemoryInfo of device 0 (dlopen): total, used
  *   launch N US                  N kernels sleep_US on the legacy stream, then synchronize
+ *   ahead SECONDS US             with librawlaunch.so preloaded: kernels sleep_US for
+ *                                SECONDS in its grants, keeping the gate's protocol itself
+ *                                and answering each grant's close to come at once, with a
+ *                                ring (cmd_ahead): launches, answers
  *   write PATH OFFSET HEX        open O_WRONLY and pwrite the bytes: "ok" or the errno name
  *   mapwrite PATH                open O_RDWR; mmap PROT_WRITE of an O_RDONLY descriptor;
  *                                mprotect PROT_WRITE of a read-only mapping: errno names
@@ -66,6 +70,13 @@ static const char *errno_name(int code)
 {
     const char *name = strerrorname_np(code);
     return name != NULL ? name : "E?";
+}
+
+static double seconds_since(const struct timespec *t0)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - t0->tv_sec) + (double)(now.tv_nsec - t0->tv_nsec) / 1e9;
 }
 
 static CUresult ensure_context(void)
@@ -326,7 +337,7 @@ static void cmd_fuzz(double seconds, unsigned long long seed, int slots)
     char control[256];
     snprintf(control, sizeof control, "%s/%s", REGION_DIR, CGPU_CONTROL_NAME);
     uint64_t state = seed | 1, writes = 0, control_writes = 0;
-    struct timespec t0, now;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (;;) {
         for (int i = 0; i < 4096; i++) {
@@ -353,31 +364,113 @@ static void cmd_fuzz(double seconds, unsigned long long seed, int slots)
         }
         struct timespec pause = {0, 1000000}; /* leave the host's two cores some air */
         nanosleep(&pause, NULL);
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if ((double)(now.tv_sec - t0.tv_sec) + (double)(now.tv_nsec - t0.tv_nsec) / 1e9 >=
-            seconds)
+        if (seconds_since(&t0) >= seconds)
             break;
     }
     printf("fuzz writes=%llu control_writes=%llu\n", (unsigned long long)writes,
            (unsigned long long)control_writes);
 }
 
-static void cmd_launch(int n, const char *us)
+/* The context, and simgpu's kernel that sleeps `us` microseconds. */
+static CUresult sleep_kernel(const char *us, CUfunction *f)
 {
     CUresult rc = ensure_context();
     char name[64];
     snprintf(name, sizeof name, "sleep_%s", us);
-    CUfunction f = NULL;
     if (rc == CUDA_SUCCESS && module == NULL)
         rc = cuModuleLoadData(&module, "attacker");
     if (rc == CUDA_SUCCESS)
-        rc = cuModuleGetFunction(&f, module, name);
+        rc = cuModuleGetFunction(f, module, name);
+    return rc;
+}
+
+static void cmd_launch(int n, const char *us)
+{
+    CUfunction f = NULL;
+    CUresult rc = sleep_kernel(us, &f);
     int done = 0;
     for (; rc == CUDA_SUCCESS && done < n; done++)
         rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
     if (rc == CUDA_SUCCESS)
         rc = cuCtxSynchronize();
     printf("launch n=%d rc=%d\n", done, (int)rc);
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000ULL + (uint64_t)now.tv_nsec;
+}
+
+static void ring(void)
+{
+    struct cgpu_account *a = account();
+    __atomic_fetch_add(&a->doorbell[0], 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &a->doorbell[0], FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* Run with LD_PRELOAD=/librawlaunch.so, so that its launches pass libcgpu's gate and
+ * no libcgpu watcher answers for it: it keeps the gate's protocol itself, as a liar.
+ * Its slot says it watches closes and closes itself at the slice's end. While its
+ * gate is closed it asks for the GPU (pending, one ring); at each grant it answers
+ * the close to come at once, as drained, with a ring; it launches `us` kernels one at
+ * a time until the end it was told, then stops and says it waits (pending), with no
+ * ring. For `seconds`. */
+static void cmd_ahead(double seconds, const char *us)
+{
+    CUfunction f = NULL;
+    CUresult rc = sleep_kernel(us, &f);
+    const struct cgpu_control *c = map_part(CGPU_CONTROL_NAME, sizeof *c, 0);
+    struct cgpu_proc *s = rc == CUDA_SUCCESS ? own_slot() : NULL;
+    if (c == NULL || s == NULL) {
+        printf("ahead no-region rc=%d\n", (int)rc);
+        return;
+    }
+    const struct cgpu_gpu *g = &c->gpu[0];
+    struct cgpu_proc_gpu *mine = &s->gpu[0];
+    __atomic_store_n(&mine->closes_itself, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&mine->watching, 1, __ATOMIC_SEQ_CST);
+    uint64_t answered_grant = 0, launches = 0, answers = 0;
+    int asked = 0;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    while (rc == CUDA_SUCCESS && seconds_since(&t0) < seconds) {
+        uint64_t grant = __atomic_load_n(&g->grant_ns, __ATOMIC_SEQ_CST);
+        uint32_t gate = __atomic_load_n(&g->gate, __ATOMIC_SEQ_CST);
+        uint64_t end = __atomic_load_n(&g->close_at_ns, __ATOMIC_SEQ_CST);
+        int closed = gate != CGPU_GATE_OPEN || grant == 0;
+        if (closed || (grant == answered_grant && end != 0 && now_ns() >= end)) {
+            if (!asked) { /* it wants more, but says so with a ring only at a closed gate */
+                __atomic_store_n(&mine->pending, 1, __ATOMIC_SEQ_CST);
+                if (closed)
+                    ring();
+                asked = 1;
+            }
+            struct timespec pause = {0, 100000};
+            nanosleep(&pause, NULL);
+            continue;
+        }
+        if (grant != answered_grant) {
+            __atomic_store_n(&mine->pending, 0, __ATOMIC_SEQ_CST);
+            asked = 0;
+            __atomic_store_n(&mine->drained_ns, now_ns(), __ATOMIC_SEQ_CST);
+            __atomic_store_n(&mine->drained_seq, __atomic_load_n(&g->close_seq,
+                                                                 __ATOMIC_SEQ_CST) + 1,
+                             __ATOMIC_SEQ_CST);
+            ring();
+            answered_grant = grant;
+            answers++;
+        }
+        rc = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        __atomic_fetch_add(&mine->launches, 1, __ATOMIC_SEQ_CST);
+        launches++;
+        if (rc == CUDA_SUCCESS)
+            rc = cuCtxSynchronize();
+    }
+    __atomic_store_n(&mine->pending, 0, __ATOMIC_SEQ_CST);
+    printf("ahead launches=%llu answers=%llu rc=%d\n", (unsigned long long)launches,
+           (unsigned long long)answers, (int)rc);
 }
 
 static void cmd_nvml(void)
@@ -439,6 +532,8 @@ static void run(char *line)
         cmd_nvml();
     } else if (strcmp(op, "launch") == 0) {
         cmd_launch(atoi(ARG(1)), ARG(2));
+    } else if (strcmp(op, "ahead") == 0) {
+        cmd_ahead(atof(ARG(1)), ARG(2));
     } else if (strcmp(op, "write") == 0) {
         cmd_write(ARG(1), ARG(2), ARG(3));
     } else if (strcmp(op, "mapwrite") == 0) {

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.attacks.node import Node, build_attacker, built_node, make_rootfs, missing
+from tests.bench.attacks import build_rawlaunch
 from tests.conftest import MountedTree
 from tests.daemon.simbox import SHAREWORK
 
@@ -26,6 +27,12 @@ def attack_rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = folder / "rootfs"
     make_rootfs(root, [build_attacker(folder), SHAREWORK])
     return root
+
+
+@pytest.fixture(scope="session")
+def rawlaunch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/attacks/rawlaunch.c built: a preload that launches past libcgpu's gate."""
+    return build_rawlaunch(tmp_path_factory.mktemp("rawlaunch"))
 
 
 @pytest.fixture(scope="session")

@@ -62,6 +62,16 @@ DOCKER_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP
                "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
 
 
+RAW = {"LD_PRELOAD": "/librawlaunch.so"}  # with `image_with(rawlaunch)`: launches past the gate
+
+
+def image_with(library: Path) -> Callable[[Path], None]:
+    """An image step for `Node.container`: `library` copied to the image's root."""
+    def image(rootfs: Path) -> None:
+        shutil.copy2(library, rootfs / library.name)
+    return image
+
+
 def missing() -> str | None:
     """Why containers cannot be run here, or None."""
     if os.geteuid() != 0:

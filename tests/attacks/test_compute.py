@@ -14,44 +14,25 @@ hardest case for the check; the shares are counted in the workloads.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cgpu_km.daemon.snapshot import SNAPSHOT_NAME, read_snapshot
-from tests.attacks.node import REPO, Container, Node, ShareJob, missing, sharing
+from tests.attacks.node import RAW, Container, Node, ShareJob, image_with, missing, sharing
 
 pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 US = 1000  # 1 ms kernels
 SECONDS = 6.0
-RAW = {"LD_PRELOAD": "/librawlaunch.so"}
 STOPPING = re.compile(r"container (\S+) on GPU 0 used .* s of GPU time .*: pid (\d+) "
                       r"(stopping it|reported only)")
-
-
-@pytest.fixture(scope="session")
-def rawlaunch(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("rawlaunch") / "librawlaunch.so"
-    subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared",
-                    "-fPIC", f"-I{REPO / 'libcgpu' / 'include'}", "-o", str(out),
-                    str(REPO / "tests" / "attacks" / "rawlaunch.c")], check=True)
-    return out
 
 
 @pytest.fixture
 def low_reading(node: Node) -> Node:
     node.sim.env["SIMGPU_NVML_PROC_BIAS"] = "0.7"
     return node
-
-
-def image_with(library: Path) -> Callable[[Path], None]:
-    def image(rootfs: Path) -> None:
-        shutil.copy2(library, rootfs / library.name)
-    return image
 
 
 def verdicts(node: Node) -> list[tuple[str, int, str]]:

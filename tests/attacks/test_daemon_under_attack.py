@@ -17,10 +17,12 @@ import pytest
 from cgpu_km.dataplane import region as region_mod
 from tests.attacks.node import (
     MIB,
+    RAW,
     Node,
     ShareJob,
     built_node,
     fields,
+    image_with,
     missing,
     sharing,
     wait_for,
@@ -205,3 +207,44 @@ def test_forged_slots_cost_the_neighbours_nothing(forged_run: FuzzRun) -> None:
     owed to nobody), and its rings, once it is seen waiting, wake nobody."""
     run = forged_run
     assert held_at_both(run.shares(run.start, run.end))
+
+
+
+def test_an_answer_ahead_of_the_slice_end_holds_the_gpu_no_longer(
+        node: Node, rawlaunch: Path) -> None:
+    """Root in a container launches past libcgpu's gate and keeps the gate's protocol
+    itself (`attacker ahead`): its slot says it closes itself at the slice's end, and
+    at every grant it answers that end at once, as drained, with a ring; at the end it
+    stops launching and rings no more. Its slice must still end at the end it was told:
+    a dispatcher that took the answer and then slept to the drain limit past the end
+    left the GPU idle half a second each turn (charged to the liar), and the neighbour
+    waited all of it."""
+    node.echo("0/policy", 2)
+    node.start_daemon()
+    honest = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "1"})
+    hostile = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "1"}, user=0,
+                             image=image_with(rawlaunch))
+    liar = hostile.proc(env=RAW)
+    job = ShareJob(honest, US, 7)
+    with sharing([job]) as t0:
+        time.sleep(max(0.0, t0 + 1 - time.monotonic()))
+        start = time.monotonic()
+        answer = fields(liar.ask(f"ahead 5 {US}", timeout=30))
+        end = time.monotonic()
+    report = job.report(timeout=30)
+    assert answer["rc"] == "0", answer
+    assert liar.alive()  # it ran in its grants only: nothing for the compute check
+    # Turns of about a slice (20 ms) each: 5 s of them is over a hundred grants; turns
+    # held to the drain limit would be one grant a second.
+    grants = int(answer["answers"])
+    print(f"the liar's grants in {end - start:.1f} s: {grants}; its kernels: "
+          f"{answer['launches']}")
+    assert grants > 50, answer
+    # The neighbour runs in nearly every tenth of a second (an audit on a sign may bar it
+    # for 0.42 s), and keeps its half.
+    windows = window_counts([report], start, end, 0.1, 0.1)
+    ran = sum(1 for (kernels,) in windows if kernels > 0) / len(windows)
+    share = fraction(report, US, start, end)
+    print(f"the neighbour ran in {ran:.0%} of 0.1 s windows; its share {share:.3f}")
+    assert ran >= 0.8, windows
+    assert held_at(share, 0.5), share

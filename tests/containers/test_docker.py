@@ -17,6 +17,7 @@ import pytest
 from cgpu_km import paths
 from cgpu_km.container.oci.settings import DEFAULT_PATH
 from cgpu_km.demo.dockerd import PrivateDocker
+from tests.bench.attacks import build_rawlaunch
 from tests.containers.helpers import (
     CGPU_6_OF_15,
     CUDA_OOM,
@@ -204,10 +205,7 @@ def test_a_process_that_launches_past_its_gate_is_stopped(
     ahead of libcgpu in its LD_PRELOAD). Its container never waits at its gate, so
     it is never granted: what NVML sees it run was not granted, and the daemon
     SIGKILLs it. The container's own process keeps running."""
-    library = tmp_path / "librawlaunch.so"
-    subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared",
-                    "-fPIC", f"-I{REPO / 'libcgpu' / 'include'}", "-o", str(library),
-                    str(REPO / "tests" / "attacks" / "rawlaunch.c")], check=True)
+    library = build_rawlaunch(tmp_path)
     with running_daemon(sim) as log:
         dockerid = run_detached(docker, "gpu_past_gate", *CGPU_6_OF_15, "-e",
                                 "NVIDIA_VISIBLE_DEVICES=0")
