@@ -45,10 +45,7 @@ class Settings:
     # ran), or that ran while it held no grant, has the processes that did it
     # stopped or reported as `on_bypass` says.
     compute_window: float = 2.0
-    # NVML's per-process samples are read this often. The driver keeps them, so
-    # a read every few sample periods (1/6 s at the fastest) loses none; it only
-    # comes later to a verdict, and a round costs the same however many it reads.
-    compute_interval: float = 0.5
+    compute_interval: float = 0.25  # NVML's per-process samples are read this often
     audit_every: float = 300.0  # a busy container is audited at least this often
     compute_tolerance: float = 1.5
     # Each GPU's dispatcher thread runs under SCHED_FIFO at this priority (0: the
