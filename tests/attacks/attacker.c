@@ -303,6 +303,14 @@ static uint64_t next_random(uint64_t *state)
     return *state = x;
 }
 
+/* Ring GPU g's doorbell, as libcgpu does: the daemon's dispatcher may wake. */
+static void ring(int g)
+{
+    struct cgpu_account *a = account();
+    __atomic_fetch_add(&a->doorbell[g], 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &a->doorbell[g], FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
 /* A slot that looks like a live process that waits, launches and answers closes, with
  * random figures; then the doorbell rings (the daemon's dispatcher wakes). */
 static void forge_random_slot(struct cgpu_account *a, uint64_t *state)
@@ -323,8 +331,7 @@ static void forge_random_slot(struct cgpu_account *a, uint64_t *state)
     pg->ctx_bytes = next_random(state);
     s->state = CGPU_SLOT_LIVE;
     a->slots_used = (uint32_t)(next_random(state) % (2 * CGPU_MAX_PROCS));
-    __atomic_fetch_add(&a->doorbell[g], 1, __ATOMIC_SEQ_CST);
-    syscall(SYS_futex, &a->doorbell[g], FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    ring(g);
 }
 
 static void cmd_fuzz(double seconds, unsigned long long seed, int slots)
@@ -403,13 +410,6 @@ static uint64_t now_ns(void)
     return (uint64_t)now.tv_sec * 1000000000ULL + (uint64_t)now.tv_nsec;
 }
 
-static void ring(void)
-{
-    struct cgpu_account *a = account();
-    __atomic_fetch_add(&a->doorbell[0], 1, __ATOMIC_SEQ_CST);
-    syscall(SYS_futex, &a->doorbell[0], FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
-}
-
 /* Run with LD_PRELOAD=/librawlaunch.so, so that its launches pass libcgpu's gate and
  * no libcgpu watcher answers for it: it keeps the gate's protocol itself, as a liar.
  * Its slot says it watches closes and closes itself at the slice's end. While its
@@ -444,7 +444,7 @@ static void cmd_ahead(double seconds, const char *us)
             if (!asked) { /* it wants more, but says so with a ring only at a closed gate */
                 __atomic_store_n(&mine->pending, 1, __ATOMIC_SEQ_CST);
                 if (closed)
-                    ring();
+                    ring(0);
                 asked = 1;
             }
             struct timespec pause = {0, 100000};
@@ -458,7 +458,7 @@ static void cmd_ahead(double seconds, const char *us)
             __atomic_store_n(&mine->drained_seq, __atomic_load_n(&g->close_seq,
                                                                  __ATOMIC_SEQ_CST) + 1,
                              __ATOMIC_SEQ_CST);
-            ring();
+            ring(0);
             answered_grant = grant;
             answers++;
         }

@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.attacks.node import Node, build_attacker, built_node, make_rootfs, missing
-from tests.bench.attacks import build_rawlaunch
+from tests.attacks.node import (
+    Node,
+    build_attacker,
+    build_rawlaunch,
+    built_node,
+    make_rootfs,
+    missing,
+)
 from tests.conftest import MountedTree
 from tests.daemon.simbox import SHAREWORK
 

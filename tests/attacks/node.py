@@ -62,7 +62,8 @@ DOCKER_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP
                "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE"]
 
 
-RAW = {"LD_PRELOAD": "/librawlaunch.so"}  # with `image_with(rawlaunch)`: launches past the gate
+RAWLAUNCH = "/librawlaunch.so"  # `build_rawlaunch`'s library, where `image_with` puts it
+RAW = {"LD_PRELOAD": RAWLAUNCH}  # with `image_with(rawlaunch)`: launches past the gate
 
 
 def image_with(library: Path) -> Callable[[Path], None]:
@@ -95,6 +96,15 @@ def build_attacker(out: Path) -> Path:
          f"-I{REPO / 'libcgpu' / 'include'}", f"-I{REPO / 'libcgpu'}", "-o", str(binary),
          str(HERE / "attacker.c"), f"-L{SIMGPU}", "-lcuda", "-ldl"], check=True)
     return binary
+
+
+def build_rawlaunch(out: Path) -> Path:
+    """Compile rawlaunch.c: a preload that launches past libcgpu's gate."""
+    library = out / RAWLAUNCH.lstrip("/")
+    subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared",
+                    "-fPIC", f"-I{REPO / 'libcgpu' / 'include'}", "-o", str(library),
+                    str(HERE / "rawlaunch.c")], check=True)
+    return library
 
 
 def make_rootfs(root: Path, binaries: Sequence[Path]) -> None:

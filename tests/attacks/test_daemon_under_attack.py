@@ -209,7 +209,6 @@ def test_forged_slots_cost_the_neighbours_nothing(forged_run: FuzzRun) -> None:
     assert held_at_both(run.shares(run.start, run.end))
 
 
-
 def test_an_answer_ahead_of_the_slice_end_holds_the_gpu_no_longer(
         node: Node, rawlaunch: Path) -> None:
     """Root in a container launches past libcgpu's gate and keeps the gate's protocol

@@ -26,13 +26,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.attacks.node import Node, ShareJob, bench_site, built_node, missing
+from tests.attacks.node import (
+    RAW,
+    RAWLAUNCH,
+    Node,
+    ShareJob,
+    bench_site,
+    build_rawlaunch,
+    built_node,
+    missing,
+)
 
-REPO = Path(__file__).resolve().parents[2]
 US = 1000
 MARGIN = 0.05  # the target: at most the allowance plus this
 CGPU = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_MEM_DEV": "15"}
-RAW = "/librawlaunch.so"
 
 
 @dataclass(frozen=True)
@@ -51,14 +58,6 @@ ATTACKS = (
 )
 
 
-def build_rawlaunch(out: Path) -> Path:
-    library = out / "librawlaunch.so"
-    subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-shared",
-                    "-fPIC", f"-I{REPO / 'libcgpu' / 'include'}", "-o", str(library),
-                    str(REPO / "tests" / "attacks" / "rawlaunch.c")], check=True)
-    return library
-
-
 def run(node: Node, attack: Attack, library: Path, seconds: float
         ) -> tuple[float, float | None, int]:
     """What `a` got of the GPU; when its attacker was gone (seconds from the start,
@@ -68,12 +67,12 @@ def run(node: Node, attack: Attack, library: Path, seconds: float
     def image(rootfs: Path) -> None:
         shutil.copy2(library, rootfs / library.name)
         if not attack.preload_env:
-            (rootfs / "etc" / "ld.so.preload").write_text(f"{RAW}\n")
+            (rootfs / "etc" / "ld.so.preload").write_text(f"{RAWLAUNCH}\n")
 
     a = node.container(attack.env, image=image)
     b = node.container(CGPU)
     honest = ShareJob(a, US, seconds)
-    raw = ShareJob(a, US, seconds, env={"LD_PRELOAD": RAW} if attack.preload_env else None)
+    raw = ShareJob(a, US, seconds, env=RAW if attack.preload_env else None)
     other = ShareJob(b, US, seconds)
     jobs = [honest, raw, other]
     for job in jobs:

@@ -17,7 +17,7 @@ import pytest
 from cgpu_km import paths
 from cgpu_km.container.oci.settings import DEFAULT_PATH
 from cgpu_km.demo.dockerd import PrivateDocker
-from tests.bench.attacks import build_rawlaunch
+from tests.attacks.node import build_rawlaunch
 from tests.containers.helpers import (
     CGPU_6_OF_15,
     CUDA_OOM,

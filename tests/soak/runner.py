@@ -34,13 +34,14 @@ from cgpu_km.demo.dockerd import PrivateDocker
 from cgpu_km.demo.image import build_rootfs, rootfs_tar
 from cgpu_km.tree import client as treefs
 from tests.attacks.node import (
+    RAW,
     Container,
     Node,
     ShareJob,
     build_attacker,
+    build_rawlaunch,
     make_rootfs,
 )
-from tests.bench.attacks import build_rawlaunch
 from tests.bench.shares import Report
 from tests.conftest import MountedTree
 from tests.daemon.simbox import SHAREWORK, SIMGPU, SimHost
@@ -58,7 +59,6 @@ PERIOD = 0.1  # the daemon's default
 VENV_BIN = Path(sys.executable).parent
 CUWORKLOAD = SIMGPU / "cuworkload"
 OOM_SCRIPT = "/oom.sh"
-RAW = "/librawlaunch.so"
 
 
 @dataclass
@@ -727,7 +727,7 @@ class Soak:
 
         container = self.fault_container(fault.gpu)
         try:
-            job = ShareJob(container, 1000, 30, env={"LD_PRELOAD": RAW})
+            job = ShareJob(container, 1000, 30, env=RAW)
             job.wait_ready(60)
             job.go(time.monotonic())
             fault.trigger = self.now(record)
