@@ -35,6 +35,10 @@ from tests.daemon.simbox import held_at
 pytestmark = [pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
 US = 1000
+# After the fuzz its process exits, and the others are repaid what it owed then: a turn
+# of up to a quantum and the drain limit (0.52 s) beyond its share, of which they are
+# owed 0.39 s, taken from the idle quarter it leaves (policy 2) in 1.6 s.
+REPAID = 3.0
 SLOW_SCRIPT = "#!/bin/sh\n: > /out/started\nsleep 3\n"
 
 
@@ -112,6 +116,10 @@ class FuzzRun:
         """The GPU's time that each container's kernels filled in [start, end)."""
         return (fraction(self.first, US, start, end), fraction(self.second, US, start, end))
 
+    def shares_repaid(self) -> tuple[float, float]:
+        """`shares` over the fuzz and the REPAID seconds after it."""
+        return self.shares(self.start, self.end + REPAID)
+
     def fewest(self, width: float) -> int:
         """The fewest kernels either completed in a window of `width` seconds of the fuzz
         (windows 0.5 s apart)."""
@@ -122,20 +130,21 @@ class FuzzRun:
 def fuzz_beside_two(node: Node, seconds: float, mode: str) -> FuzzRun:
     """Weighted policy: containers of weight 1 and 2 run sharework, and root in a third
     (weight 1, on the same GPU, using no GPU) fuzzes its account part for `seconds`,
-    from 2.5 s after their start (2 s of shares to compare with) to 1.5 s before
-    their end."""
+    from 2.5 s after their start (2 s of shares to compare with), then exits, REPAID
+    + 1 s before their end."""
     node.echo("0/policy", 2)
     node.start_daemon()
     first = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "1"})
     second = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "2"})
     hostile = node.container({**cgpu_mem(512), "ALIYUN_COM_GPU_SCHD_WEIGHT": "1"}, user=0)
     fuzzer = hostile.proc()
-    jobs = [ShareJob(first, US, seconds + 4), ShareJob(second, US, seconds + 4)]
+    jobs = [ShareJob(sharer, US, seconds + 3.5 + REPAID) for sharer in (first, second)]
     with sharing(jobs) as t0:
         time.sleep(max(0.0, t0 + 2.5 - time.monotonic()))
         start = time.monotonic()
         answer = fields(fuzzer.ask(f"fuzz {seconds} 20261130 {mode}", timeout=seconds + 10))
         end = time.monotonic()
+        fuzzer.send("exit")
         published = snapshot_mtime(node)
     a, b = (job.report(timeout=30) for job in jobs)
     alive = node.daemon_alive()
@@ -204,9 +213,19 @@ def test_forged_drain_answers_do_not_starve_the_neighbours(forged_run: FuzzRun) 
 def test_forged_slots_cost_the_neighbours_nothing(forged_run: FuzzRun) -> None:
     """What the design promises: a container's lies cost only itself. The time it holds
     the GPU idle is charged to it and stays owed to the others (the switch after it is
-    owed to nobody), and its rings, once it is seen waiting, wake nobody."""
+    owed to nobody), and its rings, once it is seen waiting, wake nobody.
+
+    Owed, so counted with the repayment: the liar is granted whenever it owes less than
+    a quarter quantum, and a turn of its holds the GPU up to a quantum and the drain
+    limit, so at any instant it may have taken up to 0.52 s beyond its quarter, which
+    its debt then bars it to repay. Over the fuzz alone, the neighbours read up to 4
+    and 7 points low where it ended in such a turn (0.212 and 0.427 in a CI run, 3 runs
+    in 19 here below the bound). With the REPAID seconds after it they read 0.218 to
+    0.242 and 0.444 to 0.482 in 13 runs, four of which the daemon's trace showed
+    holding them 0.248 to 0.250 and 0.501 to 0.503 of the time: what they lack is their
+    own processes' stalls on this host, as beside an honest neighbour."""
     run = forged_run
-    assert held_at_both(run.shares(run.start, run.end))
+    assert held_at_both(run.shares_repaid())
 
 
 def test_an_answer_ahead_of_the_slice_end_holds_the_gpu_no_longer(
