@@ -22,8 +22,12 @@ _FUTEX2_PRIVATE = 128
 _CLOCK_MONOTONIC = 1
 FALLBACK_SLEEP = 0.001
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # calls that block: they let other threads run
 _libc.syscall.restype = ctypes.c_long
+# Calls that return at once (a wake) keep the interpreter's lock: released, each
+# would be a hand-off to whichever thread waits for it, and a wait to take it back.
+_libc_now = ctypes.PyDLL(None)
+_libc_now.syscall.restype = ctypes.c_long
 
 
 class _Waiter(ctypes.Structure):
@@ -44,15 +48,17 @@ _have_waitv = True
 
 def wake_all(address: int) -> None:
     """Wake every process waiting on the shared futex word at `address`."""
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
-                  ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
+    _wake(address, _FUTEX_WAKE)
 
 
 def wake_private(address: int) -> None:
     """Wake a thread of this process waiting on a private word at `address`."""
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address),
-                  ctypes.c_int(_FUTEX_WAKE | _FUTEX2_PRIVATE), ctypes.c_int(2**31 - 1),
-                  None, None, ctypes.c_int(0))
+    _wake(address, _FUTEX_WAKE | _FUTEX2_PRIVATE)
+
+
+def _wake(address: int, op: int) -> None:
+    _libc_now.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(op),
+                      ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
 
 
 def wait_any(words: Sequence[tuple[int, int, bool]], deadline_ns: int) -> int:

@@ -22,7 +22,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -30,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cgpu_km.dataplane import futex
 
 CONTROL_MAGIC = 0x344C544355504743  # "CGPUCTL4"
 ACCOUNT_MAGIC = 0x3454434155504743  # "CGPUACT4"
@@ -302,19 +303,9 @@ def region_path(container: str, directory: Path | None = None) -> Path:
     return (directory or region_dir()) / container
 
 
-# ---- futex through libc ----------------------------------------------------
+# ---- atomics through libatomic ---------------------------------------------
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221}.get(platform.machine(), 202)
-_FUTEX_WAKE = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 _libatomic: Any = None
-
-
-def futex_wake_all(address: int) -> None:
-    """Wake every process waiting on the shared futex word at `address`."""
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
-                  ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
 
 
 def _cas32(address: int, expected: int, desired: int) -> bool:
@@ -645,8 +636,8 @@ class Region:
                 entry.grant_ns = now_ns or time.monotonic_ns()
             # libcgpu sleeps on the count's low half (a gate that opened and closed
             # again is no lost grant); on the gate itself before that change.
-            futex_wake_all(self._gate_changes_address(k))
-            futex_wake_all(self._gate_address(k))
+            futex.wake_all(self._gate_changes_address(k))
+            futex.wake_all(self._gate_address(k))
         if not is_open:
             entry.grant_ns = 0
         if value == GATE_CLOSED or was == GATE_OPEN:
@@ -661,7 +652,7 @@ class Region:
     def _wake_watchers(self) -> None:
         """Wake libcgpu's watcher thread in every process of the container."""
         self._control.wake = (self._control.wake + 1) & 0xFFFFFFFF
-        futex_wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)
+        futex.wake_all(ctypes.addressof(self._control) + ControlLayout.wake.offset)
 
     def doorbell_address(self, k: int) -> int:
         """The futex word processes ring when they wait at GPU k's gate or answer a close."""

@@ -157,12 +157,12 @@ def test_a_grant_wakes_a_futex_waiter(tmp_path: Path, word: str) -> None:
 
         def sleep() -> int:
             timeout = (ctypes.c_long * 2)(10, 0)
-            return int(libc.syscall(ctypes.c_long(region_mod._SYS_FUTEX),
+            return int(libc.syscall(ctypes.c_long(futex._SYS_FUTEX),
                                     ctypes.c_void_p(address), ctypes.c_int(0),
                                     ctypes.c_int(expected), timeout, None, ctypes.c_int(0)))
 
         # 0: woken (its own 10 s timeout would give -1, ETIMEDOUT)
-        assert woken(sleep, region_mod._SYS_FUTEX, "FUTEX_WAIT on the gate",
+        assert woken(sleep, futex._SYS_FUTEX, "FUTEX_WAIT on the gate",
                      lambda: r.set_gate(1, True, 1234)) == 0
         assert r.gate_is_open(1)
         assert r.grant_ns(1) == 1234
