@@ -221,7 +221,7 @@ def test_forged_slots_cost_the_neighbours_nothing(forged_run: FuzzRun) -> None:
     its debt then bars it to repay. Over the fuzz alone, the neighbours read up to 4
     and 7 points low where it ended in such a turn (0.212 and 0.427 in a CI run, 3 runs
     in 19 here below the bound). With the REPAID seconds after it they read 0.218 to
-    0.242 and 0.444 to 0.482 in 13 runs, four of which the daemon's trace showed
+    0.242 and 0.444 to 0.482 in 14 runs, four of which the daemon's trace showed
     holding them 0.248 to 0.250 and 0.501 to 0.503 of the time: what they lack is their
     own processes' stalls on this host, as beside an honest neighbour."""
     run = forged_run
