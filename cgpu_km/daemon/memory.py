@@ -88,20 +88,38 @@ class MemoryService:
             lowered |= self.limits.lowered
 
     async def _feed_meminfo(self, memory: MemoryView) -> None:
+        """Feed the meminfo that changed since it was last fed, in one worker call
+        (a busy node changes a few every round: one thread's round trip, not one
+        each); one that could not be fed is tried again next round."""
         listed = self.limits.memsize
+        changed = {}
         for key in sorted(listed):
             found = memory.by_container.get(key)
             procs = dict(found.procs) if found is not None else {}
-            if self._fed.get(key) == procs:
-                continue
-            try:
-                await self.feed_worker(partial(self.tree.feed_meminfo, key[0], key[1], procs))
-            except OSError as error:
-                log.debug("meminfo %s on GPU %d not fed: %s", key[1], key[0], error)
-                continue
-            self._fed[key] = procs
+            if self._fed.get(key) != procs:
+                changed[key] = procs
         for key in set(self._fed) - set(listed):
             del self._fed[key]
+        if not changed:
+            return
+        try:
+            fed = await self.feed_worker(partial(self._feed, changed))
+        except OSError as error:  # the worker gave no answer: a wedged tree
+            log.debug("meminfo not fed: %s", error)
+            return
+        self._fed.update((key, changed[key]) for key in fed)
+
+    def _feed(self, changed: Mapping[Key, dict[int, int]]) -> list[Key]:
+        """In the feed worker: write each container's meminfo; those written."""
+        fed = []
+        for (gpu, name), procs in changed.items():
+            try:
+                self.tree.feed_meminfo(gpu, name, procs)
+            except OSError as error:
+                log.debug("meminfo %s on GPU %d not fed: %s", name, gpu, error)
+                continue
+            fed.append((gpu, name))
+        return fed
 
     def _backstop(self, memory: MemoryView, lowered: frozenset[Key]) -> None:
         """Stop the largest processes of every container over its limit (the stops

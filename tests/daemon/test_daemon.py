@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -244,6 +244,41 @@ async def test_meminfo_is_fed_once_per_change_and_backstop_stops_the_largest(
         nursery.cancel_scope.cancel()
     assert plane.stopped == [((0, "a"), 10)]
     assert tree.gpus[0].containers["a"].procs == {11: 200, 12: 50}
+
+
+async def test_a_meminfo_not_fed_is_fed_at_a_later_round_and_holds_up_no_other(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The round feeds every changed meminfo in one worker call: one container's
+    write that fails (its node gone a moment, say) neither stops the others' nor
+    is forgotten."""
+    tree, plane = two_containers(policy=1), FakePlane()
+    for name in ("a", "b"):
+        tree.gpus[0].containers[name].memsize = 1000
+    plane.memory_by[0, "a"] = {10: 300}
+    plane.memory_by[0, "b"] = {20: 400}
+    feed = tree.feed_meminfo
+    refusing = {"a"}
+
+    def feed_or_refuse(gpu: int, name: str, procs: Mapping[int, int]) -> None:
+        if name in refusing:
+            raise OSError(5, "Input/output error")
+        feed(gpu, name, procs)
+
+    tree.feed_meminfo = feed_or_refuse  # type: ignore[method-assign]
+    daemon, _ = make_daemon(tree, plane, tmp_path)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(daemon.run)
+        await rounds(daemon, 2)
+        assert tree.gpus[0].containers["b"].procs == {20: 400}
+        assert tree.gpus[0].containers["a"].procs == {}
+        refusing.clear()
+        await rounds(daemon, 1)
+        assert tree.gpus[0].containers["a"].procs == {10: 300}
+        writes = len(tree.meminfo_writes)
+        await rounds(daemon, 2)
+        assert len(tree.meminfo_writes) == writes  # both fed: not written again
+        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("egpu", [False, True], ids=["cgpu", "egpu"])
