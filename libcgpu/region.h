@@ -198,7 +198,7 @@ struct cgpu_proc_gpu {
     uint64_t stale_heartbeat_ns; /* the heartbeat it judged stale (0: no daemon) */
     uint64_t gate_wake_ns;   /* when its last timed wait was to end (by stale + timeout) */
     uint64_t failed_open_ns; /* when it went on, written last; 0 = no launch did */
-    uint64_t idle_ns;        /* when it went idle, once gpu.idle_grace_ns ago (watch.c); 0: busy */
+    uint64_t idle_ns;        /* when it went idle, once seen; rung a grace later (watch.c); 0: busy */
 };
 
 /* One process of the container. 64-byte header + one line per GPU. */

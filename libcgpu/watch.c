@@ -26,9 +26,12 @@
  * gate is open and another container waits), this thread also tells it when
  * the process goes idle, so that the daemon need not look: once the process
  * has launched nothing for the grace, it waits for what it queued to finish
- * (cgpu_flight_drain), and when nothing was launched meanwhile and the grace
- * has passed since the later of the two, it writes when into its slot
- * (idle_ns) and rings. Its next launch clears idle_ns and wakes this thread
+ * (cgpu_flight_drain), and when nothing was launched meanwhile it writes the
+ * later of the two into its slot (idle_ns) at once, and rings once the grace
+ * has passed since. The daemon takes the GPU from an idle holder only a
+ * grace after that time, but a step before it (another container waking
+ * into the GPU) reads the report and charges the holder only up to it: the
+ * GPU was idle from then. Its next launch clears idle_ns and wakes this thread
  * (cgpu_idle_launch), so it watches again. A process that waits at its gate
  * (pending) is not idle.
  */
@@ -70,9 +73,11 @@ void cgpu_idle_launch(struct cgpu_proc *s, int g)
 /* The idle watch of GPU g: report the process idle if it is; the time until it
  * should look again (UINT64_MAX: not before it is woken). `quiet_since` is
  * when its queued work was first found finished with no launch after it (0:
- * not yet), for the count of launches in `quiet_launches`. */
+ * not yet), for the count of launches in `quiet_launches`; `idle_rung`, that
+ * the report in idle_ns has been rung for. */
 static uint64_t quiet_since[CGPU_MAX_GPUS];
 static uint64_t quiet_launches[CGPU_MAX_GPUS];
+static int idle_rung[CGPU_MAX_GPUS];
 
 static uint64_t watch_idle(const struct cgpu_control *r, int g)
 {
@@ -87,8 +92,18 @@ static uint64_t watch_idle(const struct cgpu_control *r, int g)
         quiet_since[g] = 0;
         return UINT64_MAX;
     }
-    if (__atomic_load_n(&me->gpu[g].idle_ns, __ATOMIC_ACQUIRE) != 0)
-        return UINT64_MAX; /* said; its next launch wakes this thread */
+    uint64_t said = __atomic_load_n(&me->gpu[g].idle_ns, __ATOMIC_ACQUIRE);
+    if (said != 0) {
+        /* its next launch clears it and wakes this thread */
+        if (idle_rung[g])
+            return UINT64_MAX;
+        uint64_t now = cgpu_now_ns();
+        if (now < said + grace)
+            return said + grace - now;
+        idle_rung[g] = 1;
+        cgpu_ring(g);
+        return UINT64_MAX;
+    }
     if (__atomic_load_n(&me->gpu[g].pending, __ATOMIC_ACQUIRE) != 0)
         return grace;
     uint64_t launches = __atomic_load_n(&me->gpu[g].launches, __ATOMIC_ACQUIRE);
@@ -108,9 +123,7 @@ static uint64_t watch_idle(const struct cgpu_control *r, int g)
         quiet_since[g] = done > last ? done : last;
     }
     uint64_t since = quiet_since[g];
-    now = cgpu_now_ns();
-    if (now < since + grace)
-        return since + grace - now;
+    idle_rung[g] = 0;
     __atomic_store_n(&me->gpu[g].idle_ns, since, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&me->gpu[g].launches, __ATOMIC_SEQ_CST) != launches) {
         /* a launch that may not have seen idle_ns: take it back, unless it did */
@@ -118,8 +131,7 @@ static uint64_t watch_idle(const struct cgpu_control *r, int g)
                                     __ATOMIC_RELAXED);
         return 0;
     }
-    cgpu_ring(g);
-    return UINT64_MAX;
+    return 0; /* rung once the grace has passed since */
 }
 
 static void answer(int g, uint64_t seq)
@@ -243,6 +255,7 @@ void cgpu_watch_after_fork(void)
     memset(last_launch_ns, 0, sizeof last_launch_ns);
     memset(quiet_since, 0, sizeof quiet_since);
     memset(quiet_launches, 0, sizeof quiet_launches);
+    memset(idle_rung, 0, sizeof idle_rung);
     watcher_running = 0;
     watch_once = (pthread_once_t)PTHREAD_ONCE_INIT;
 }

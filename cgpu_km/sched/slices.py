@@ -69,8 +69,8 @@ if they started waiting now (`SliceDecision.armed`: rested, may run, of
 the holder's priority or higher). Their gates let a launch through and ring
 the doorbell; the next step sees the launches as a wait and hands the GPU
 over as above. Until that step the container runs uncharged beside the
-holder, which pays for the span: at most the caller's latency, once per
-rest.
+holder, which pays for the span (nobody does where the holder had said it
+went idle: `vacated`): at most the caller's latency, once per rest.
 
 States: the GPU is in one of four (`SliceScheduler.state`, frozen values):
 `Idle` (every gate closed), `Holding` (the holder's gate open for its
@@ -97,6 +97,9 @@ that is gone). `SliceScheduler.moves` counts the moves taken::
     native     any               policy 5                       Native
     ended      Holding           slice over, with company or    Holding/Idle
                                  others, and it closed itself
+    vacated    Holding           a container is waking, the     Holding
+                                 holder said it went idle, and
+                                 unused time stays idle
     handover   Holding/Draining  a container is waking          Holding
     preempted  Holding           preempted                      Draining
     quit       Holding           idle, said so, and it gives    Holding/Idle
@@ -135,6 +138,15 @@ The guards, each defined once in `Facts`:
   so (`quits`): every process of it said its work had finished and
   launched nothing since (`Observation.idle`): no drain is awaited, and it
   is paid up to when it went idle (half, of a span it shares).
+- said idle, before the grace (`vacated`): every process of the holder said
+  it went idle (their word stands as soon as their watchers find their
+  queues empty; the ring comes a grace later), and unused time stays idle
+  (policies 0, 2, 3). A waker then takes a GPU that has been idle since:
+  the holder is paid up to its word (a grace before now at most), not until
+  a drain answer, and the waker's turn is its own (else the holders of
+  requests that come closer together than the idle grace pay for every gap
+  between them: the charges add up to the wall time, and their credit walks
+  about zero). Under policies 1 and 4 time is lent, not owed: a handover.
 - slice over: its end has come (a quantum from its start once it has
   company or others); answered: the holder's drain answer is seen; drain
   expired: `drain_timeout` has passed since the close.
@@ -781,6 +793,18 @@ class Facts:
         return self.idle and self.gives_up_when_idle(holder, bool(self.others), self.late)
 
     @_once
+    def vacated(self) -> bool:
+        """A container is waking and every process of the holder said it went idle
+        (their word stands as soon as their watchers find their queues empty; the
+        ring comes a grace later), where unused time stays idle (policies 0, 2,
+        3): there a container's credit binds, and holders of requests that come
+        closer together than the idle grace would pay for every gap between them
+        (the charges add up to the wall time and their credit walks about zero).
+        Under the work-conserving policies time is lent, not owed, and a handover
+        serves the waker as well."""
+        return bool(self.waking) and self.said_idle and not self.policy.work_conserving
+
+    @_once
     def quits(self) -> bool:
         """It gives the GPU up, and its processes said their work had finished:
         no drain to await."""
@@ -1004,6 +1028,18 @@ def _hand_over(state: State, f: Facts) -> Move:
     return _granted(f, effects, f.waiting, among=f.waking, sharing=turn.holder)
 
 
+def _hand_over_vacated(state: State, f: Facts) -> Move:
+    """The holder said it went idle: no drain is awaited, the waker's turn is
+    its own, and the holder is paid up to its word (the GPU was idle until the
+    waker came), but for no more than the idle grace before now: a holder
+    idle longer would have quit, and a process that says it went idle while it
+    runs on gains no more than under `quit`."""
+    turn = f.turn
+    assert isinstance(turn, Holding)
+    until = min(max(f.holder_active, turn.paid_to, f.now - f.grace), f.now)
+    return _granted(f, _end_turn(f, until), f.waiting, among=f.waking)
+
+
 def _close(state: State, f: Facts) -> Move:
     """Close. After the slice's end the drain began then: a holder told that
     end (`SliceDecision.close_at`) stopped by itself, and its drain limit runs
@@ -1090,6 +1126,9 @@ TABLE: tuple[Row, ...] = (
         "end the turn; charge the open gates; a capped one out of cap credit closes, late"),
     Row("ended", (Holding,), lambda s, f: f.ended, (Holding, Idle), _answered,
         "slice over, with company or others, and it closed itself", "end the turn; grant"),
+    Row("vacated", (Holding,), lambda s, f: f.vacated, (Holding,), _hand_over_vacated,
+        "a container is waking, the holder said it went idle, and unused time stays idle",
+        "end the turn, paid to its last activity (a grace ago at most); grant a waker"),
     Row("handover", (Holding, Draining), lambda s, f: bool(f.waking), (Holding,), _hand_over,
         "a container is waking",
         "end the turn; the holder late (to its drain limit); grant a waker, shared"),

@@ -270,3 +270,26 @@ def test_a_bad_dispatch_priority_is_refused(host: SimHost) -> None:
     assert result.returncode == 2
     assert "dispatch_priority must be 0 (the default policy) or a SCHED_FIFO priority 1-99, " \
         "not 100" in result.stderr
+
+
+def test_a_holder_that_said_it_went_idle_hands_over_without_a_drain(host: SimHost) -> None:
+    """Three containers under policy 2 whose requests (2 x 1 ms every 20 ms)
+    follow each other 1 ms apart, within the 2 ms idle grace: libcgpu's watcher
+    puts its report in the slot as soon as its queue is empty, before its ring,
+    so the next request's wake (rested: it takes the GPU at once) finds it and
+    takes the GPU by the `vacated` row (the holder paid up to its report, no
+    drain shared). With the report written only at its ring, every one of
+    those wakes would be a handover."""
+    host.echo("0/policy", 2)
+    host.echo("0/max_inst", 3)
+    host.start_daemon(0.02)
+    got = measure(host, [Workload(f"r{i}", US, weight=1, request_ms=20, phase_ms=3 * i)
+                         for i in range(3)], 3)
+    assert all(report.kernels for report in got.values()), "every container ran"
+    snapshot = read_snapshot(host.state_dir / "snapshot.json")
+    assert snapshot is not None
+    gpu = snapshot.gpu(0)
+    assert gpu is not None
+    moves = {move.row: move.count for move in gpu.dispatch_moves}
+    print("moves:", moves)
+    assert moves.get("vacated", 0) > 0, moves

@@ -1,6 +1,7 @@
 """libcgpu's idle watch on simgpu: while the daemon asks (the region's
 idle_grace_ns, with the gate open), a process says itself when it goes idle,
-in its slot's idle_ns, and rings; the dispatcher never looks at a busy holder."""
+in its slot's idle_ns as soon as its watcher finds it, and rings once the
+grace has passed since; the dispatcher never looks at a busy holder."""
 
 from __future__ import annotations
 
@@ -48,6 +49,34 @@ def test_a_process_says_when_its_work_is_done_and_it_launched_nothing(sandbox: S
         assert proc.stdout.readline() == "waiting\n"
         second, _ = idle_report(region, rung)
         assert second > first, "launched again: busy, then idle again later"
+        go(proc)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_report_stands_at_once_and_is_rung_a_grace_after_its_time(
+        sandbox: Sandbox) -> None:
+    """With a grace of 2 s: the report is in the slot before the doorbell rings
+    (a step for another reason reads it then), and the ring comes no sooner
+    than a grace after the time the report names."""
+    grace_ns = 2_000_000_000
+    region = sandbox.make_region(0)
+    region.set_idle_grace(0, grace_ns)
+    proc = sandbox.popen([str(sandbox.built.workload), "launch", "1", "sleep_0", "wait"])
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "launch 1 rc=0\n"
+        assert proc.stdout.readline() == "waiting\n"
+        deadline = time.monotonic() + 30  # a hang guard only
+        while not (reports := [region.slot_gpu(slot, 0).idle_ns
+                               for slot in region.live_slots()]) or not any(reports):
+            assert time.monotonic() < deadline, "no idle report"
+            time.sleep(0.005)
+        assert region.doorbell(0) == 0, "said before it rang"
+        said, _ = idle_report(region, 0)
+        assert time.monotonic_ns() >= said + grace_ns, "rung a grace after the report's time"
         go(proc)
         assert proc.wait(30) == 0
     finally:

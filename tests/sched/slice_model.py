@@ -10,9 +10,9 @@ or answers (the doorbell), when its first launch through an armed gate
 rings (as libcgpu's does, once per arming), and at the time its decision
 names, each `step_delay` late. A holder that the decision watches for going
 idle (`IdleWatch`) hears from its processes as from libcgpu's watcher: each
-says, `answer_delay` after it has launched nothing for the grace and its
-queue has been empty for the grace, since when (and rings); a launch takes
-that back. As libcgpu reports it, a process waits while
+says since when it has been idle, `answer_delay` after it has launched
+nothing for the grace and its queue is empty, and rings once that is a
+grace past; a launch takes that back. As libcgpu reports it, a process waits while
 a launch is held at the gate or, busy, at its in-flight bound; a request's
 synchronize is no wait. Shares are counted in completed kernels per container:
 the model's own count, never the scheduler's figures.
@@ -55,6 +55,7 @@ class Proc:
     last_launch: float = float("-inf")
     emptied_at: float = 0.0  # when its queue last ran empty
     idle_since: float | None = None  # its idle report: when it went idle
+    idle_rang: bool = False  # the report has been rung for
 
 
 @dataclass
@@ -166,11 +167,12 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                 rang = True
         grace = scheduler.idle_grace
         for p in by_name.get(watched, []) if watched is not None else ():
-            if p.launches and p.idle_since is None and not p.queue and not p.to_launch:
-                since = max(p.last_launch, p.emptied_at)
-                if t >= since + grace + answer_delay:
-                    p.idle_since = since
-                    rang = True
+            if (p.launches and p.idle_since is None and not p.queue and not p.to_launch
+                    and t >= max(p.last_launch + grace, p.emptied_at) + answer_delay):
+                p.idle_since, p.idle_rang = max(p.last_launch, p.emptied_at), False
+            if p.idle_since is not None and not p.idle_rang and (
+                    t >= p.idle_since + grace + answer_delay):
+                p.idle_rang = rang = True
         for name, mine in by_name.items():
             wants = any(p.to_launch for p in mine) or (
                 demand(t, name) and any(p.every == 0 for p in mine))

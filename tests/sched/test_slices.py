@@ -502,3 +502,27 @@ def test_a_late_answer_is_charged_until_it_came() -> None:
     liar = {**both, holder: Observation(waiting=True, answered=True)}
     assert scheduler.step(0.081, liar).open, "the next one is granted"
     assert scheduler.used()[holder] == pytest.approx(0.081)
+
+
+@pytest.mark.parametrize("step_delay", [0.0003, 0.001])
+def test_requests_closer_together_than_the_idle_grace_do_not_wait_for_credit(
+        step_delay: float) -> None:
+    """Eight containers under policy 2, an eighth of the GPU each, each sending a
+    request of 2 x 1 ms kernels every 20 ms, 2.5 ms after the one before: each
+    request is handed over by the next one's wake 0.5 ms after it ended, before
+    the idle grace, and the gap until then is nobody's. Were the holders paid
+    for it, the charges would add up to the wall time, every credit would walk
+    about zero, and requests would wait for credit (p99 42 ms at steps 1 ms
+    late). Every request runs at once, and no container is charged for more
+    than its kernels ran."""
+    names = [f"c{i}" for i in range(8)]
+    scheduler = SliceScheduler(GpuConfig(policy=Policy.FIXED, max_inst=8,
+                                         containers={n: W(1) for n in names}))
+    procs = [Proc(n, 0.001, 2, every=0.02, next_request=0.0025 * i)
+             for i, n in enumerate(names)]
+    counts = run(scheduler, procs, 3.0, step_delay=step_delay)
+    latencies = [r.end - r.start for p in procs for r in p.requests if r.end is not None]
+    assert len(latencies) == 8 * 150
+    assert max(latencies) < 0.0025, "within the gap to the next request"
+    ran = kernels(counts, procs)
+    assert all(scheduler.used()[n] <= ran[n] for n in names), (scheduler.used(), ran)

@@ -232,6 +232,69 @@ def test_the_drainers_answer_ends_the_shared_span() -> None:
     assert s.used() == {"a": pytest.approx(0.007), "b": pytest.approx(0.002)}
 
 
+def test_a_waker_takes_a_gpu_its_holder_said_it_left_idle_without_a_drain() -> None:
+    """a said at 0.004 that it went idle at 0.003, within the grace: b, waking at
+    0.005, takes the GPU with nothing to share, and a is paid to 0.003 (the gap
+    until b came is nobody's)."""
+    s = scheduler("a", "b", policy=Policy.FIXED, idle_grace=0.002)
+    s.step(0.0, {"a": WAITING})
+    s.step(0.001, {"a": Observation(launches=3)})
+    said = Observation(launches=3, active_at=0.003, idle=True)
+    s.step(0.005, {"a": said, "b": WAITING})
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.005)
+    assert s.late_record("a") is None, "nothing left to drain"
+    assert s.used() == {"a": pytest.approx(0.003), "b": 0.0}
+    assert ("Holding", "vacated", "Holding") in s.moves
+
+
+@pytest.mark.parametrize("policy", [Policy.PREEMPTIVE, Policy.SOFT])
+def test_where_time_is_lent_a_waker_takes_an_idle_holders_gpu_by_a_handover(
+        policy: Policy) -> None:
+    """The same word under the work-conserving policies: the gap costs nobody a
+    turn there (time is lent, not owed), and b's wake is a handover as before
+    (a late, its drain shared), not `vacated`."""
+    s = scheduler("a", "b", policy=policy, idle_grace=0.002)
+    s.step(0.0, {"a": WAITING})
+    s.step(0.001, {"a": Observation(launches=3)})
+    said = Observation(launches=3, active_at=0.003, idle=True)
+    s.step(0.005, {"a": said, "b": WAITING})
+    assert s.holder == "b"
+    assert s.late_record("a") is not None
+    assert ("Holding", "handover", "Holding") in s.moves
+    assert not any(row == "vacated" for _, row, _ in s.moves)
+
+
+def test_a_word_of_idleness_saves_its_holder_the_idle_grace_at_most() -> None:
+    """a says it went idle at 0.0015, just after its grant, and nothing the steps
+    saw says otherwise (it may have run on all the while): when b wakes at
+    0.012, a is paid to 0.010, the grace before. A holder idle longer would
+    have quit at its ring; one that says so while it runs on gains no more than
+    under `quit`."""
+    s = scheduler("a", "b", policy=Policy.FIXED, idle_grace=0.002)
+    s.step(0.0, {"a": WAITING})
+    s.step(0.001, {"a": Observation(launches=3)})
+    said = Observation(launches=3, active_at=0.0015, idle=True)
+    s.step(0.012, {"a": said, "b": WAITING})
+    assert s.holder == "b"
+    assert s.used()["a"] == pytest.approx(0.010)
+    assert ("Holding", "vacated", "Holding") in s.moves
+
+
+def test_a_word_of_idleness_that_a_launch_belies_is_a_handover_as_ever() -> None:
+    """a says it went idle at 0.001, but it launched after the step at 0.002
+    counted its launches: the report is not believed, and b's wake at 0.005 is
+    a handover (a late, its drain shared)."""
+    s = scheduler("a", "b", policy=Policy.FIXED, idle_grace=0.002)
+    s.step(0.0, {"a": WAITING})
+    s.step(0.002, {"a": Observation(launches=3)})
+    lying = Observation(launches=4, active_at=0.001, idle=True)
+    s.step(0.005, {"a": lying, "b": WAITING})
+    assert state(s) == Holding("b", slice_start=0.005, slice_end=0.025, paid_to=0.005,
+                              sharing="a")
+    assert s.late_record("a") is not None
+    assert ("Holding", "handover", "Holding") in s.moves
+
+
 def test_a_handover_drain_past_its_deadline_is_cut_and_stays_late() -> None:
     s = handed_over()
     record = s.late_record("a")

@@ -95,6 +95,12 @@ def chosen_runs() -> list[Moves]:
         # interactive requests beside a busy neighbour: handovers
         modelled(weighted, [Proc("a", 0.001), Proc("b", 0.001, 2, every=0.02,
                                                    next_request=0.005)], 1.0),
+        # requests closer together than the idle grace, under policy 2: the holder
+        # has said it went idle when the next one wakes
+        modelled(GpuConfig(policy=Policy.FIXED, max_inst=4,
+                           containers={n: W(1) for n in "abcd"}),
+                 [Proc(n, 0.001, 2, every=0.01, next_request=0.0025 * i)
+                  for i, n in enumerate("abcd")], 0.5),
         # a busy high-priority container that stops for 4 ms in 20: it comes back
         # unrested, and preempts
         modelled(prio, [Proc("hi", 0.001, 1), Proc("lo", 0.001, 2)], 1.0,
