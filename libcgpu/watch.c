@@ -30,10 +30,10 @@
  * later of the two into its slot (idle_ns) at once, and rings once the grace
  * has passed since. The daemon takes the GPU from an idle holder only a
  * grace after that time, but a step before it (another container waking
- * into the GPU) reads the report and charges the holder only up to it: the
- * GPU was idle from then. Its next launch clears idle_ns and wakes this thread
- * (cgpu_idle_launch), so it watches again. A process that waits at its gate
- * (pending) is not idle.
+ * into the GPU, where unused time stays idle) reads the report and charges
+ * the holder only up to it: the GPU was idle from then. Its next launch
+ * clears idle_ns and wakes this thread (cgpu_idle_launch), so it watches
+ * again. A process that waits at its gate (pending) is not idle.
  */
 #define _GNU_SOURCE
 #include <linux/futex.h>

@@ -70,7 +70,8 @@ the holder's priority or higher). Their gates let a launch through and ring
 the doorbell; the next step sees the launches as a wait and hands the GPU
 over as above. Until that step the container runs uncharged beside the
 holder, which pays for the span (nobody does where the holder had said it
-went idle: `vacated`): at most the caller's latency, once per rest.
+went idle and unused time stays idle: `vacated`): at most the caller's
+latency, once per rest.
 
 States: the GPU is in one of four (`SliceScheduler.state`, frozen values):
 `Idle` (every gate closed), `Holding` (the holder's gate open for its
