@@ -398,18 +398,22 @@ def print_wake_floor(base: Path, words: int, asleep: float, wakes: float) -> Non
     """What the same wake-ups cost a thread that does nothing else: tests/bench/
     wakefloor.c sleeping in futex_waitv on `words` shared words for `asleep`
     seconds at a time, measured now, beside the row above (the floor under
-    any dispatcher of this host that wakes as often, in C too)."""
+    any dispatcher of this host that wakes as often, in C too): woken by
+    another process's ring (as a drain's answer wakes a dispatcher), and at
+    its own deadline (a timer that expires, as at a slice's end)."""
     program = base / "wakefloor"
     subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-o",
                     str(program), str(Path(__file__).with_name("wakefloor.c"))], check=True)
     sleep_us = max(1, round(asleep * 1e6))
     rounds = max(50, min(2000, round(3 / asleep)))
-    per_wake = float(subprocess.run([str(program), str(words), str(sleep_us), str(rounds)],
-                                    check=True, capture_output=True, text=True).stdout)
-    print(f"  the host's floor: a C thread asleep in futex_waitv on {words} shared words, "
-          f"{sleep_us / 1000:.1f} ms at a time: {per_wake:.1f} us of CPU a wake-up; at the "
-          f"row's {wakes:.0f} wake-ups a second, {100 * per_wake * wakes / 1e6:.1f}% of a core",
-          flush=True)
+    for how, mode in (("rung by another process", ["ring"]), ("at its deadline", [])):
+        per_wake = float(subprocess.run([str(program), str(words), str(sleep_us), str(rounds),
+                                         *mode], check=True, capture_output=True,
+                                        text=True).stdout)
+        print(f"  the host's floor: a C thread asleep in futex_waitv on {words} shared words, "
+              f"{sleep_us / 1000:.1f} ms at a time, {how}: {per_wake:.1f} us of CPU a "
+              f"wake-up; at the row's {wakes:.0f} wake-ups a second, "
+              f"{100 * per_wake * wakes / 1e6:.1f}% of a core", flush=True)
 
 
 def record_profile(host: SimHost, out: Path, seconds: float) -> None:
