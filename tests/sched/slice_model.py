@@ -23,11 +23,13 @@ the times it missed), it wants to launch `depth` kernels, and the request
 ends when the last of them completes; `requests` records, for each
 one, when it began and ended and how many kernels every process had
 completed at those two times (`completed_at`), so that a test can count
-what ran before it without a clock.
+what ran before it without a clock. A process's kernels may vary in length
+(`spread`: drawn by a generator of its own, seeded, so every run is the same).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -56,6 +58,19 @@ class Proc:
     emptied_at: float = 0.0  # when its queue last ran empty
     idle_since: float | None = None  # its idle report: when it went idle
     idle_rang: bool = False  # the report has been rung for
+    # > 0: each kernel's length drawn from kernel * (1 +- spread), uniformly,
+    # by a generator seeded with `seed` (the same run every time)
+    spread: float = 0.0
+    seed: int = 0
+    lengths: random.Random | None = None
+
+    def length(self) -> float:
+        """The next kernel's length."""
+        if self.spread <= 0:
+            return self.kernel
+        if self.lengths is None:
+            self.lengths = random.Random(self.seed)
+        return self.kernel * self.lengths.uniform(1 - self.spread, 1 + self.spread)
 
 
 @dataclass
@@ -122,12 +137,12 @@ def run(scheduler: SliceScheduler, procs: list[Proc], duration: float, *,
                 armed_rang = True
             launched = p.launches
             if p.every > 0:
-                p.queue += [p.kernel] * p.to_launch
+                p.queue += [p.length() for _ in range(p.to_launch)]
                 p.launches += p.to_launch
                 p.to_launch = 0
             elif demand(t, p.container):
                 while len(p.queue) < p.depth:
-                    p.queue.append(p.kernel)
+                    p.queue.append(p.length())
                     p.launches += 1
             if p.launches != launched:
                 p.last_launch, p.idle_since = t, None
