@@ -34,7 +34,6 @@
 #endif
 #define FUTEX2_SIZE_U32 0x02
 #define MAX_WORDS 128
-#define FUTEX_WAKE_SHARED 1 /* FUTEX_WAKE, not FUTEX_PRIVATE_FLAG */
 
 struct waitv {
 	uint64_t val;
@@ -69,7 +68,7 @@ static void ring(uint32_t *word, long sleep_us, long rounds)
 	for (long i = 0; i < rounds; i++) {
 		nanosleep(&pause, NULL);
 		__atomic_add_fetch(word, 1, __ATOMIC_SEQ_CST);
-		syscall(SYS_futex, word, FUTEX_WAKE_SHARED, 1, NULL, NULL, 0);
+		syscall(SYS_futex, word, FUTEX_WAKE, 1, NULL, NULL, 0); /* shared: no FUTEX_PRIVATE_FLAG */
 	}
 	_exit(0);
 }
